@@ -1,0 +1,1 @@
+"""The data plane: chunking, chunk ids, codecs, placement over object nodes."""

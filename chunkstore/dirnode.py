@@ -1,0 +1,130 @@
+"""A local-directory object node (flash-backed in production, any disk in tests).
+
+Layout: `ROOT/objects/ab/cd/<32 hex>` with a two-level fan-out so no directory
+grows past ~65k entries per level, and `ROOT/tmp/` for writes in progress.
+A put writes a temp file, fsyncs it, renames it into place and fsyncs the
+directory: a reader sees either no object or the whole object, and an
+acknowledged put survives a crash. Keys are chunk ids rendered as hex, so no
+caller-supplied string can name a path outside ROOT.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+
+from chunkstore.ids import check_id, from_hex
+from chunkstore.node import NodeError, NodeInfo, ObjectMissing, ObjectNode
+
+
+class DirNode(ObjectNode):
+    def __init__(self, info: NodeInfo, base_dir: str | None = None) -> None:
+        self.info = info
+        path = info.url[4:].partition("?")[0]
+        if not os.path.isabs(path):
+            if base_dir is None:
+                raise ValueError(f"node {info.name}: relative path {path!r} needs a volume dir")
+            path = os.path.join(base_dir, path)
+        self.root = os.path.realpath(path)
+        self._objects = os.path.join(self.root, "objects")
+        self._tmp = os.path.join(self.root, "tmp")
+        self._made: set[str] = set()
+        self._lock = threading.Lock()
+        self._fsync_dirs = True
+
+    def ensure(self) -> None:
+        """Create the node's directories (format time, or a node that was wiped)."""
+        os.makedirs(self._objects, exist_ok=True)
+        os.makedirs(self._tmp, exist_ok=True)
+
+    def _path(self, cid: bytes) -> tuple[str, str]:
+        h = check_id(cid).hex()
+        d = os.path.join(self._objects, h[:2], h[2:4])
+        return d, os.path.join(d, h)
+
+    def put(self, cid: bytes, blob: bytes | memoryview) -> None:
+        d, final = self._path(cid)
+        try:
+            if d not in self._made:
+                os.makedirs(d, exist_ok=True)
+                os.makedirs(self._tmp, exist_ok=True)
+                with self._lock:
+                    self._made.add(d)
+            tmp = os.path.join(self._tmp, f"{cid.hex()}.{uuid.uuid4().hex[:8]}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(blob)
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+            if self._fsync_dirs:
+                dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        except FileNotFoundError as e:
+            # The node's directory vanished under us (a lost disk): that is a
+            # node failure, not a missing object.
+            raise NodeError(f"node {self.name}: {e}") from e
+        except OSError as e:
+            raise NodeError(f"node {self.name}: put {cid.hex()}: {e.strerror or e}") from e
+
+    def get(self, cid: bytes) -> bytes:
+        _, final = self._path(cid)
+        try:
+            with open(final, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            if not os.path.isdir(self.root):
+                raise NodeError(f"node {self.name}: directory {self.root} is gone") from None
+            raise ObjectMissing(f"node {self.name}: no object {cid.hex()}") from None
+        except OSError as e:
+            raise NodeError(f"node {self.name}: get {cid.hex()}: {e.strerror or e}") from e
+
+    def exists(self, cid: bytes) -> bool:
+        return os.path.exists(self._path(cid)[1])
+
+    def delete(self, cid: bytes) -> None:
+        try:
+            os.unlink(self._path(cid)[1])
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise NodeError(f"node {self.name}: delete {cid.hex()}: {e.strerror or e}") from e
+
+    def list(self) -> Iterator[tuple[bytes, int, float]]:
+        if not os.path.isdir(self._objects):
+            return
+        for a in sorted(os.listdir(self._objects)):
+            da = os.path.join(self._objects, a)
+            for b in sorted(os.listdir(da)):
+                with os.scandir(os.path.join(da, b)) as it:
+                    for entry in it:
+                        try:
+                            cid = from_hex(entry.name)
+                        except ValueError:
+                            continue  # foreign file: not ours to report as an object
+                        st = entry.stat()
+                        yield cid, st.st_size, st.st_mtime
+
+    def used_bytes(self) -> int:
+        return sum(size for _, size, _ in self.list())
+
+    def capacity(self) -> tuple[int, int]:
+        try:
+            st = os.statvfs(self.root if os.path.isdir(self.root) else os.path.dirname(self.root))
+        except OSError:
+            return (0, 0)
+        return (st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
+
+    def wipe(self) -> None:
+        """Delete every object (tests simulating a lost node)."""
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,242 @@
+"""The `ckptfs` command. Each concern registers its subcommands from its own module.
+
+User mistakes (missing volume, bad size, missing file) print one line and exit
+non-zero; a traceback means a bug.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import json
+import logging
+import os
+import stat
+import sys
+
+from chunkstore.codec import CODECS
+from chunkstore.store import ChunkStoreError
+from fusefs.progress import Progress
+from fusefs.units import format_size, parse_size
+from fusefs.volume import Volume, VolumeError, VolumeSettings
+from metadata.engine import MetaError
+
+# Modules that add subcommands: each defines register(subparsers).
+COMMAND_MODULES: list[str] = [
+    "fusefs.cli_mount",
+    "fusefs.cli_service",
+    "fusefs.cli_ops",
+    "bench.cli",
+]
+
+
+class UserError(Exception):
+    """Raised by commands for a problem the user can fix; printed as one line."""
+
+
+def size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def open_volume(spec: str, **kw) -> Volume:
+    return Volume.open(spec, **kw)
+
+
+def cmd_format(args: argparse.Namespace) -> int:
+    settings = VolumeSettings(
+        chunk_size=args.chunk_size,
+        chunking=args.chunking,
+        compression=args.compression,
+        replicas=args.replicas,
+        cdc_min=args.cdc_min,
+        cdc_max=args.cdc_max,
+    )
+    nodes: int | list[str] = args.node if args.node else args.nodes
+    with Volume.create(args.volume, nodes=nodes, settings=settings, db=args.db) as vol:
+        print(
+            f"formatted {args.volume}: {len(vol.store.nodes)} nodes, R={settings.replicas}, "
+            f"{format_size(settings.chunk_size)} {settings.chunking} chunks, {settings.compression}"
+        )
+    return 0
+
+
+def cmd_put(args: argparse.Namespace) -> int:
+    try:
+        src = open(args.local_file, "rb")  # noqa: SIM115 - closed below
+    except OSError as e:
+        raise UserError(f"cannot read {args.local_file}: {e.strerror}") from e
+    with src, open_volume(args.volume) as vol:
+        total = os.fstat(src.fileno()).st_size
+        bufsize = vol.settings.chunk_size
+        with (
+            Progress(total, f"put {os.path.basename(args.local_file)}") as bar,
+            vol.open_write(args.vol_path) as w,
+        ):
+            while True:
+                buf = src.read(bufsize)
+                if not buf:
+                    break
+                w.write(buf)
+                bar.update(len(buf))
+    return 0
+
+
+def cmd_get(args: argparse.Namespace) -> int:
+    with open_volume(args.volume) as vol:
+        with vol.open_read(args.vol_path) as r:
+            tmp = args.local_file + ".ckptfs-partial"
+            try:
+                with open(tmp, "wb") as out, Progress(r.size, f"get {args.vol_path}") as bar:
+                    step = vol.settings.chunk_size
+                    for off in range(0, r.size, step):
+                        data = r.pread(off, step)
+                        out.write(data)
+                        bar.update(len(data))
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.rename(tmp, args.local_file)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+        for bad in vol.store.bad_replicas:
+            print(
+                f"ckptfs: warning: bad replica of chunk {bad.cid.hex()} on node {bad.node}: "
+                f"{bad.reason} (served from another replica)",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def _mode_str(mode: int) -> str:
+    return stat.filemode(mode)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with open_volume(args.volume) as vol:
+        attr = vol.resolve(args.vol_path)
+        entries = vol.listdir(args.vol_path) if attr.is_dir else [(b"", attr)]
+        for name, a in entries:
+            label = os.fsdecode(name) or args.vol_path
+            if a.is_dir:
+                label += "/"
+            print(f"{_mode_str(a.mode)} {a.size:>14} {label}")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with open_volume(args.volume) as vol:
+        attr = vol.resolve(args.vol_path)
+        if attr.is_dir and not args.recursive:
+            raise UserError(f"{args.vol_path} is a directory (use -r)")
+        if attr.is_dir:
+            for path, a in sorted(vol.walk(args.vol_path), key=lambda t: -t[0].count("/")):
+                vol.unlink(path)
+        vol.unlink(args.vol_path)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with open_volume(args.volume) as vol:
+        st = vol.stats()
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        for k, v in st.items():
+            shown = format_size(v) if k.endswith("_bytes") else v
+            print(f"{k:20} {shown}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckptfs", description="checkpoint storage for training jobs")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    f = sub.add_parser("format", help="create a volume")
+    f.add_argument("volume", help="volume directory")
+    f.add_argument("--nodes", type=int, default=4, help="local directory nodes (default 4)")
+    f.add_argument(
+        "--node", action="append", metavar="URL",
+        help="node URL (dir:/path or s3://bucket/prefix?endpoint=...), repeatable; "
+        "append ?domain=LABEL for failure domains",
+    )
+    f.add_argument("--replicas", "-r", type=int, default=2)
+    f.add_argument("--chunk-size", type=size_arg, default=4 * 2**20)
+    f.add_argument("--chunking", choices=["fixed", "cdc"], default="fixed")
+    f.add_argument("--cdc-min", type=size_arg, default=None)
+    f.add_argument("--cdc-max", type=size_arg, default=None)
+    f.add_argument("--compression", choices=list(CODECS), default="auto")
+    f.add_argument("--db", default=None, help="postgresql://... (default: embedded SQLite)")
+    f.set_defaults(func=cmd_format)
+
+    g = sub.add_parser("put", help="copy a local file into the volume")
+    g.add_argument("volume")
+    g.add_argument("local_file")
+    g.add_argument("vol_path")
+    g.set_defaults(func=cmd_put)
+
+    g = sub.add_parser("get", help="copy a file out of the volume")
+    g.add_argument("volume")
+    g.add_argument("vol_path")
+    g.add_argument("local_file")
+    g.set_defaults(func=cmd_get)
+
+    g = sub.add_parser("ls", help="list a directory")
+    g.add_argument("volume")
+    g.add_argument("vol_path", nargs="?", default="/")
+    g.set_defaults(func=cmd_ls)
+
+    g = sub.add_parser("rm", help="remove a file (or a tree with -r)")
+    g.add_argument("volume")
+    g.add_argument("vol_path")
+    g.add_argument("-r", "--recursive", action="store_true")
+    g.set_defaults(func=cmd_rm)
+
+    g = sub.add_parser("stats", help="logical vs stored bytes, dedup and compression")
+    g.add_argument("volume")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_stats)
+
+    for modname in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name != modname:
+                raise
+            continue
+        mod.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="ckptfs: %(levelname)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, VolumeError, ValueError) as e:
+        print(f"ckptfs: error: {e}", file=sys.stderr)
+    except MetaError as e:
+        print(f"ckptfs: error: {e} ({errno.errorcode.get(e.errno, e.errno)})", file=sys.stderr)
+    except ChunkStoreError as e:
+        print(f"ckptfs: error: {e}", file=sys.stderr)
+    except OSError as e:
+        print(f"ckptfs: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("ckptfs: interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Namespace and checkpoint coordination: engines, the trio service, its client."""

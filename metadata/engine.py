@@ -1,0 +1,271 @@
+"""The metadata engine interface: what every engine (SQLite, PostgreSQL, the
+network client) provides. Short on purpose, like JuiceFS's meta interface.
+
+Every mutating method is one transaction: a crash leaves the namespace either
+before or after the call. Names are bytes (POSIX names are not text); they are
+validated here, once, for every engine.
+
+Files are lists of extents. An extent maps file bytes [offset, offset+length)
+to chunk bytes [chunk_off, chunk_off+length); bytes of a file covered by no
+extent read as zeros (holes cost nothing, so truncate to a huge size is free).
+Chunks are reference counted by the extents that point at them; a chunk whose
+count falls to zero stays until garbage collection and its grace period.
+"""
+
+from __future__ import annotations
+
+import errno
+import stat
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+ROOT_INO = 1
+NAME_MAX = 255
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+# Chunk states: staged = only in a host's write-behind tier; durable = on R nodes.
+STAGED = 0
+DURABLE = 1
+
+
+class MetaError(Exception):
+    """An engine refused a request; `errno` is what the FUSE layer returns."""
+
+    def __init__(self, err: int, message: str) -> None:
+        super().__init__(message)
+        self.errno = err
+
+
+@dataclass
+class Attr:
+    ino: int
+    mode: int  # full st_mode, file type bits included
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    rdev: int = 0
+    generation: int = 0  # bumped by every extent commit: lets caches know a file changed
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def is_link(self) -> bool:
+        return stat.S_ISLNK(self.mode)
+
+
+@dataclass(frozen=True)
+class Extent:
+    offset: int
+    length: int
+    chunk_id: bytes
+    chunk_off: int = 0
+
+
+@dataclass(frozen=True)
+class NewChunk:
+    """A chunk first stored by the committing writer."""
+
+    chunk_id: bytes
+    raw_len: int
+    stored_len: int
+    state: int = DURABLE
+
+
+@dataclass
+class DirEntry:
+    name: bytes
+    attr: Attr
+    next_offset: int  # readdir cookie: pass it back to continue after this entry
+
+
+@dataclass
+class VolumeStats:
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    raw_unique_bytes: int = 0
+    unique_chunks: int = 0
+    staged_chunks: int = 0
+    files: int = 0
+    inodes: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        dedup = self.logical_bytes / self.raw_unique_bytes if self.raw_unique_bytes else 1.0
+        comp = self.raw_unique_bytes / self.stored_bytes if self.stored_bytes else 1.0
+        return {
+            "logical_bytes": self.logical_bytes,
+            "stored_bytes": self.stored_bytes,
+            "unique_chunks": self.unique_chunks,
+            "dedup_ratio": round(dedup, 4),
+            "compression_ratio": round(comp, 4),
+            "raw_unique_bytes": self.raw_unique_bytes,
+            "staged_chunks": self.staged_chunks,
+            "files": self.files,
+            "inodes": self.inodes,
+            **self.extra,
+        }
+
+
+def check_name(name: bytes) -> bytes:
+    """Reject names POSIX or we cannot store: empty, '.', '..', '/', NUL, > 255 bytes."""
+    if not isinstance(name, bytes):
+        raise MetaError(errno.EINVAL, f"name must be bytes, got {type(name).__name__}")
+    if len(name) > NAME_MAX:
+        raise MetaError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes: {name[:40]!r}...")
+    if not name or name in (b".", b"..") or b"/" in name or b"\0" in name:
+        raise MetaError(errno.EINVAL, f"invalid name {name!r}")
+    return name
+
+
+def check_extents(extents: list[Extent], size: int) -> None:
+    """Extents must be sorted, non-overlapping, positive and inside the file."""
+    if size < 0:
+        raise MetaError(errno.EINVAL, f"negative file size {size}")
+    end = 0
+    for e in extents:
+        if e.length <= 0 or e.offset < end or e.chunk_off < 0 or len(e.chunk_id) != 16:
+            raise MetaError(errno.EINVAL, f"bad extent list at offset {e.offset}")
+        end = e.offset + e.length
+    if end > size:
+        raise MetaError(errno.EINVAL, f"extents end at {end}, past the file size {size}")
+
+
+class MetaEngine(ABC):
+    """Namespace, extents and chunk accounting. Blocking calls; thread-safe."""
+
+    # -- volume --------------------------------------------------------------
+    @abstractmethod
+    def init_volume(self, config: dict) -> None:
+        """Create the schema and the root directory; error if already formatted."""
+
+    @abstractmethod
+    def get_config(self) -> dict: ...
+
+    # -- namespace -----------------------------------------------------------
+    @abstractmethod
+    def lookup(self, parent: int, name: bytes) -> Attr: ...
+
+    @abstractmethod
+    def getattr(self, ino: int) -> Attr: ...
+
+    @abstractmethod
+    def create(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, target: bytes = b""
+    ) -> Attr:
+        """Make a regular file, directory or symlink (by the type bits of mode).
+
+        EEXIST if the name exists. `target` is the symlink's target.
+        """
+
+    @abstractmethod
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr: ...
+
+    @abstractmethod
+    def unlink(self, parent: int, name: bytes) -> Attr:
+        """Remove a non-directory entry; returns the inode's attributes after it.
+
+        An inode whose nlink reaches 0 is kept (it may still be open) until
+        `forget_orphan` is called for it; orphans left by a crash are purged by
+        `purge_orphans` at mount.
+        """
+
+    @abstractmethod
+    def rmdir(self, parent: int, name: bytes) -> None: ...
+
+    @abstractmethod
+    def rename(
+        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+    ) -> Attr | None:
+        """Atomic rename; returns the replaced inode's attrs (nlink already dropped) if any."""
+
+    @abstractmethod
+    def readdir(self, ino: int, offset: int, limit: int = 1000) -> list[DirEntry]: ...
+
+    @abstractmethod
+    def setattr(
+        self,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+    ) -> Attr:
+        """Change attributes; a smaller size trims extents (and drops chunk refs)."""
+
+    @abstractmethod
+    def readlink(self, ino: int) -> bytes: ...
+
+    @abstractmethod
+    def forget_orphan(self, ino: int) -> None:
+        """Delete an inode with nlink 0 and release its chunks (no-op otherwise)."""
+
+    @abstractmethod
+    def purge_orphans(self) -> int: ...
+
+    # -- extended attributes ------------------------------------------------
+    @abstractmethod
+    def get_xattr(self, ino: int, name: bytes) -> bytes: ...
+
+    @abstractmethod
+    def set_xattr(self, ino: int, name: bytes, value: bytes) -> None: ...
+
+    @abstractmethod
+    def list_xattr(self, ino: int) -> list[bytes]: ...
+
+    @abstractmethod
+    def remove_xattr(self, ino: int, name: bytes) -> None: ...
+
+    # -- data ----------------------------------------------------------------
+    @abstractmethod
+    def get_extents(self, ino: int) -> list[Extent]: ...
+
+    @abstractmethod
+    def commit_file(
+        self,
+        ino: int,
+        extents: list[Extent],
+        size: int,
+        new_chunks: list[NewChunk],
+        mtime_ns: int | None = None,
+    ) -> Attr:
+        """Replace a file's extents and size in one transaction.
+
+        Registers `new_chunks`, takes references on every chunk of `extents`
+        and drops those of the old extents. Every referenced chunk must be
+        known (registered now or before): EIO otherwise, nothing changed.
+        """
+
+    @abstractmethod
+    def missing_chunks(self, ids: list[bytes]) -> set[bytes]:
+        """Which of these chunk ids the volume does not hold (one batched query).
+
+        Found chunks with no references get their grace timer restarted, so a
+        writer that deduplicates against them keeps them from gc.
+        """
+
+    @abstractmethod
+    def chunk_info(self, ids: list[bytes]) -> dict[bytes, tuple[int, int, int, int]]:
+        """id -> (raw_len, stored_len, refcount, state) for the known ones."""
+
+    @abstractmethod
+    def mark_durable(self, ids: list[bytes]) -> None: ...
+
+    @abstractmethod
+    def stats(self) -> VolumeStats: ...
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass

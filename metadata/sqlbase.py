@@ -1,0 +1,598 @@
+"""The namespace and chunk accounting in SQL, shared by the SQLite and PostgreSQL engines.
+
+One class holds every query; an engine subclass supplies the connection, the
+DDL dialect and how a write transaction begins. Queries are written with `?`
+placeholders and portable SQL (ON CONFLICT, RETURNING), so the two engines
+cannot drift apart in behaviour.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import stat
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from metadata.engine import (
+    DURABLE,
+    RENAME_EXCHANGE,
+    RENAME_NOREPLACE,
+    ROOT_INO,
+    Attr,
+    DirEntry,
+    Extent,
+    MetaEngine,
+    MetaError,
+    NewChunk,
+    VolumeStats,
+    check_extents,
+    check_name,
+)
+
+_ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation"
+XATTR_MAX = 64 * 1024
+
+
+def _now() -> int:
+    return time.time_ns()
+
+
+def _attr(row: Any) -> Attr:
+    return Attr(*row)
+
+
+class SqlEngine(MetaEngine):
+    """Subclasses set `self._conn` and implement `_ddl`, `_begin` and `_q`."""
+
+    _lock: threading.RLock
+    _conn: Any
+
+    # -- dialect hooks ------------------------------------------------------
+    def _ddl(self) -> list[str]:
+        raise NotImplementedError
+
+    def _q(self, sql: str) -> str:
+        """Translate `?` placeholders to the driver's style."""
+        return sql
+
+    @contextmanager
+    def _tx(self) -> Iterator[Any]:
+        """A write transaction; the subclass takes the write lock up front."""
+        raise NotImplementedError
+        yield
+
+    @contextmanager
+    def _read(self) -> Iterator[Any]:
+        with self._tx() as c:
+            yield c
+
+    def _x(self, c: Any, sql: str, args: tuple | list = ()) -> Any:
+        return c.execute(self._q(sql), args)
+
+    def _one(self, c: Any, sql: str, args: tuple | list = ()) -> Any:
+        return self._x(c, sql, args).fetchone()
+
+    # -- volume --------------------------------------------------------------
+    def init_volume(self, config: dict) -> None:
+        with self._tx() as c:
+            for stmt in self._ddl():
+                self._x(c, stmt)
+            if self._one(c, "SELECT value FROM config WHERE key = 'volume'"):
+                raise MetaError(errno.EEXIST, "volume already formatted")
+            self._x(c, "INSERT INTO config (key, value) VALUES ('volume', ?)", (json.dumps(config),))
+            now = _now()
+            self._x(
+                c,
+                f"INSERT INTO inodes ({_ATTR_COLS}, target) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (ROOT_INO, stat.S_IFDIR | 0o755, 2, 0, 0, 0, now, now, now, 0, 0, b""),
+            )
+
+    def get_config(self) -> dict:
+        with self._read() as c:
+            row = self._one(c, "SELECT value FROM config WHERE key = 'volume'")
+        if row is None:
+            raise MetaError(errno.ENOENT, "volume is not formatted")
+        return json.loads(row[0])
+
+    def set_config(self, config: dict) -> None:
+        with self._tx() as c:
+            self._x(c, "UPDATE config SET value = ? WHERE key = 'volume'", (json.dumps(config),))
+
+    # -- helpers -----------------------------------------------------------
+    def _getattr(self, c: Any, ino: int) -> Attr:
+        row = self._one(c, f"SELECT {_ATTR_COLS} FROM inodes WHERE ino = ?", (ino,))
+        if row is None:
+            raise MetaError(errno.ENOENT, f"no inode {ino}")
+        return _attr(row)
+
+    def _lookup(self, c: Any, parent: int, name: bytes) -> Attr:
+        row = self._one(
+            c,
+            f"SELECT {', '.join('i.' + k.strip() for k in _ATTR_COLS.split(','))} "
+            "FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent = ? AND d.name = ?",
+            (parent, name),
+        )
+        if row is None:
+            raise MetaError(errno.ENOENT, f"{name!r} not found")
+        return _attr(row)
+
+    def _dir(self, c: Any, ino: int) -> Attr:
+        a = self._getattr(c, ino)
+        if not a.is_dir:
+            raise MetaError(errno.ENOTDIR, f"inode {ino} is not a directory")
+        return a
+
+    def _touch_dir(self, c: Any, ino: int, nlink_delta: int = 0) -> None:
+        now = _now()
+        self._x(
+            c,
+            "UPDATE inodes SET mtime = ?, ctime = ?, nlink = nlink + ? WHERE ino = ?",
+            (now, now, nlink_delta, ino),
+        )
+
+    def _release_extents(self, c: Any, ino: int) -> None:
+        refs = Counter(
+            bytes(r[0]) for r in self._x(c, "SELECT chunk FROM extents WHERE ino = ?", (ino,))
+        )
+        self._adjust_refs(c, {k: -v for k, v in refs.items()})
+        self._x(c, "DELETE FROM extents WHERE ino = ?", (ino,))
+
+    def _adjust_refs(self, c: Any, delta: dict[bytes, int]) -> None:
+        now = _now()
+        rows = [(d, now, cid) for cid, d in delta.items() if d]
+        if rows:
+            c.executemany(
+                self._q("UPDATE chunks SET refcount = refcount + ?, touched = ? WHERE id = ?"), rows
+            )
+
+    def _drop_inode_if_orphan(self, c: Any, ino: int, open_inodes: bool = False) -> None:
+        row = self._one(c, "SELECT nlink, mode FROM inodes WHERE ino = ?", (ino,))
+        if row is None or row[0] > 0:
+            return
+        self._release_extents(c, ino)
+        self._x(c, "DELETE FROM xattrs WHERE ino = ?", (ino,))
+        self._x(c, "DELETE FROM inodes WHERE ino = ?", (ino,))
+
+    # -- namespace -----------------------------------------------------------
+    def lookup(self, parent: int, name: bytes) -> Attr:
+        check_name(name)
+        with self._read() as c:
+            return self._lookup(c, parent, name)
+
+    def getattr(self, ino: int) -> Attr:
+        with self._read() as c:
+            return self._getattr(c, ino)
+
+    def create(
+        self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, target: bytes = b""
+    ) -> Attr:
+        check_name(name)
+        kind = stat.S_IFMT(mode)
+        if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
+            raise MetaError(errno.EPERM, "only regular files, directories and symlinks")
+        if kind == stat.S_IFLNK and not target:
+            raise MetaError(errno.EINVAL, "symlink needs a target")
+        if len(target) > 4096:
+            raise MetaError(errno.ENAMETOOLONG, "symlink target longer than 4096 bytes")
+        with self._tx() as c:
+            self._dir(c, parent)
+            if self._one(c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", (parent, name)):
+                raise MetaError(errno.EEXIST, f"{name!r} exists")
+            now = _now()
+            nlink = 2 if kind == stat.S_IFDIR else 1
+            size = len(target) if kind == stat.S_IFLNK else 0
+            row = self._one(
+                c,
+                "INSERT INTO inodes (mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, "
+                "generation, target) VALUES (?,?,?,?,?,?,?,?,0,0,?) RETURNING ino",
+                (mode, nlink, uid, gid, size, now, now, now, target),
+            )
+            ino = row[0]
+            self._x(c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino))
+            self._touch_dir(c, parent, 1 if kind == stat.S_IFDIR else 0)
+            return self._getattr(c, ino)
+
+    def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
+        check_name(new_name)
+        with self._tx() as c:
+            a = self._getattr(c, ino)
+            if a.is_dir:
+                raise MetaError(errno.EPERM, "hard links to directories are not allowed")
+            if a.nlink == 0:
+                raise MetaError(errno.ENOENT, "cannot link an unlinked inode")
+            self._dir(c, new_parent)
+            if self._one(
+                c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", (new_parent, new_name)
+            ):
+                raise MetaError(errno.EEXIST, f"{new_name!r} exists")
+            self._x(
+                c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (new_parent, new_name, ino)
+            )
+            self._x(c, "UPDATE inodes SET nlink = nlink + 1, ctime = ? WHERE ino = ?", (_now(), ino))
+            self._touch_dir(c, new_parent)
+            return self._getattr(c, ino)
+
+    def unlink(self, parent: int, name: bytes) -> Attr:
+        check_name(name)
+        with self._tx() as c:
+            a = self._lookup(c, parent, name)
+            if a.is_dir:
+                raise MetaError(errno.EISDIR, f"{name!r} is a directory")
+            self._x(c, "DELETE FROM dentries WHERE parent = ? AND name = ?", (parent, name))
+            self._x(c, "UPDATE inodes SET nlink = nlink - 1, ctime = ? WHERE ino = ?", (_now(), a.ino))
+            self._touch_dir(c, parent)
+            return self._getattr(c, a.ino)
+
+    def rmdir(self, parent: int, name: bytes) -> None:
+        check_name(name)
+        with self._tx() as c:
+            a = self._lookup(c, parent, name)
+            if not a.is_dir:
+                raise MetaError(errno.ENOTDIR, f"{name!r} is not a directory")
+            if self._one(c, "SELECT 1 FROM dentries WHERE parent = ? LIMIT 1", (a.ino,)):
+                raise MetaError(errno.ENOTEMPTY, f"{name!r} is not empty")
+            self._x(c, "DELETE FROM dentries WHERE parent = ? AND name = ?", (parent, name))
+            self._x(c, "DELETE FROM xattrs WHERE ino = ?", (a.ino,))
+            self._x(c, "DELETE FROM inodes WHERE ino = ?", (a.ino,))
+            self._touch_dir(c, parent, -1)
+
+    def _is_ancestor(self, c: Any, anc: int, ino: int) -> bool:
+        """Is `anc` the directory `ino` or one of its ancestors?"""
+        seen = 0
+        while True:
+            if ino == anc:
+                return True
+            if ino == ROOT_INO:
+                return False
+            row = self._one(c, "SELECT parent FROM dentries WHERE ino = ? LIMIT 1", (ino,))
+            if row is None:
+                return False
+            ino = row[0]
+            seen += 1
+            if seen > 100_000:
+                raise MetaError(errno.ELOOP, "directory tree loop")
+
+    def rename(
+        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+    ) -> Attr | None:
+        check_name(name)
+        check_name(new_name)
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE):
+            raise MetaError(errno.EINVAL, f"unsupported rename flags {flags:#x}")
+        with self._tx() as c:
+            src = self._lookup(c, parent, name)
+            self._dir(c, new_parent)
+            try:
+                dst: Attr | None = self._lookup(c, new_parent, new_name)
+            except MetaError:
+                dst = None
+            if src.is_dir and self._is_ancestor(c, src.ino, new_parent):
+                raise MetaError(errno.EINVAL, "cannot move a directory into itself")
+            if flags & RENAME_EXCHANGE:
+                if dst is None:
+                    raise MetaError(errno.ENOENT, f"{new_name!r} not found")
+                if dst.is_dir and self._is_ancestor(c, dst.ino, parent):
+                    raise MetaError(errno.EINVAL, "cannot move a directory into itself")
+                self._x(
+                    c, "UPDATE dentries SET ino = ? WHERE parent = ? AND name = ?",
+                    (dst.ino, parent, name),
+                )
+                self._x(
+                    c, "UPDATE dentries SET ino = ? WHERE parent = ? AND name = ?",
+                    (src.ino, new_parent, new_name),
+                )
+                if src.is_dir != dst.is_dir and parent != new_parent:
+                    d = 1 if src.is_dir else -1
+                    self._touch_dir(c, parent, -d)
+                    self._touch_dir(c, new_parent, d)
+                else:
+                    self._touch_dir(c, parent)
+                    self._touch_dir(c, new_parent)
+                return None
+            if dst is not None:
+                if flags & RENAME_NOREPLACE:
+                    raise MetaError(errno.EEXIST, f"{new_name!r} exists")
+                if dst.ino == src.ino:
+                    return None  # POSIX: renaming a name onto a link of the same inode does nothing
+                if src.is_dir and not dst.is_dir:
+                    raise MetaError(errno.ENOTDIR, f"{new_name!r} is not a directory")
+                if dst.is_dir and not src.is_dir:
+                    raise MetaError(errno.EISDIR, f"{new_name!r} is a directory")
+                if dst.is_dir:
+                    if self._one(c, "SELECT 1 FROM dentries WHERE parent = ? LIMIT 1", (dst.ino,)):
+                        raise MetaError(errno.ENOTEMPTY, f"{new_name!r} is not empty")
+                self._x(
+                    c, "DELETE FROM dentries WHERE parent = ? AND name = ?", (new_parent, new_name)
+                )
+                if dst.is_dir:
+                    self._x(c, "DELETE FROM inodes WHERE ino = ?", (dst.ino,))
+                    self._touch_dir(c, new_parent, -1)
+                else:
+                    self._x(
+                        c, "UPDATE inodes SET nlink = nlink - 1, ctime = ? WHERE ino = ?",
+                        (_now(), dst.ino),
+                    )
+            self._x(
+                c, "UPDATE dentries SET parent = ?, name = ? WHERE parent = ? AND name = ?",
+                (new_parent, new_name, parent, name),
+            )
+            self._x(c, "UPDATE inodes SET ctime = ? WHERE ino = ?", (_now(), src.ino))
+            if src.is_dir and parent != new_parent:
+                self._touch_dir(c, parent, -1)
+                self._touch_dir(c, new_parent, 1)
+            else:
+                self._touch_dir(c, parent)
+                if new_parent != parent:
+                    self._touch_dir(c, new_parent)
+            if dst is not None and not dst.is_dir:
+                return self._getattr(c, dst.ino)
+            return None
+
+    def readdir(self, ino: int, offset: int, limit: int = 1000) -> list[DirEntry]:
+        cols = ", ".join("i." + k.strip() for k in _ATTR_COLS.split(","))
+        with self._read() as c:
+            self._dir(c, ino)
+            rows = self._x(
+                c,
+                f"SELECT d.id, d.name, {cols} FROM dentries d JOIN inodes i ON i.ino = d.ino "
+                "WHERE d.parent = ? AND d.id > ? ORDER BY d.id LIMIT ?",
+                (ino, offset, limit),
+            ).fetchall()
+        return [DirEntry(bytes(r[1]), _attr(r[2:]), r[0]) for r in rows]
+
+    def setattr(
+        self,
+        ino: int,
+        *,
+        mode: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        size: int | None = None,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+    ) -> Attr:
+        with self._tx() as c:
+            a = self._getattr(c, ino)
+            now = _now()
+            if mode is not None:
+                a.mode = stat.S_IFMT(a.mode) | (mode & 0o7777)
+            if uid is not None:
+                a.uid = uid
+            if gid is not None:
+                a.gid = gid
+            if atime_ns is not None:
+                a.atime_ns = atime_ns
+            if mtime_ns is not None:
+                a.mtime_ns = mtime_ns
+            if size is not None and size != a.size:
+                if not a.is_reg:
+                    raise MetaError(errno.EISDIR if a.is_dir else errno.EINVAL, "not a regular file")
+                if size < 0:
+                    raise MetaError(errno.EINVAL, f"negative size {size}")
+                if size < a.size:
+                    self._trim_extents(c, ino, size)
+                a.size = size
+                a.generation += 1
+                if mtime_ns is None:
+                    a.mtime_ns = now
+            a.ctime_ns = now
+            self._x(
+                c,
+                "UPDATE inodes SET mode=?, uid=?, gid=?, size=?, atime=?, mtime=?, ctime=?, "
+                "generation=? WHERE ino=?",
+                (a.mode, a.uid, a.gid, a.size, a.atime_ns, a.mtime_ns, a.ctime_ns, a.generation, ino),
+            )
+            return a
+
+    def _trim_extents(self, c: Any, ino: int, size: int) -> None:
+        rows = self._x(
+            c,
+            "SELECT offset, length, chunk, chunk_off FROM extents WHERE ino = ? AND offset + length > ?",
+            (ino, size),
+        ).fetchall()
+        delta: Counter[bytes] = Counter()
+        for off, length, chunk, coff in rows:
+            chunk = bytes(chunk)
+            self._x(c, "DELETE FROM extents WHERE ino = ? AND offset = ?", (ino, off))
+            delta[chunk] -= 1
+            if off < size:
+                self._x(
+                    c,
+                    "INSERT INTO extents (ino, offset, length, chunk, chunk_off) VALUES (?,?,?,?,?)",
+                    (ino, off, size - off, chunk, coff),
+                )
+                delta[chunk] += 1
+        self._adjust_refs(c, dict(delta))
+
+    def readlink(self, ino: int) -> bytes:
+        with self._read() as c:
+            row = self._one(c, "SELECT mode, target FROM inodes WHERE ino = ?", (ino,))
+        if row is None:
+            raise MetaError(errno.ENOENT, f"no inode {ino}")
+        if not stat.S_ISLNK(row[0]):
+            raise MetaError(errno.EINVAL, "not a symlink")
+        return bytes(row[1])
+
+    def forget_orphan(self, ino: int) -> None:
+        with self._tx() as c:
+            self._drop_inode_if_orphan(c, ino)
+
+    def purge_orphans(self) -> int:
+        with self._tx() as c:
+            inos = [r[0] for r in self._x(c, "SELECT ino FROM inodes WHERE nlink <= 0").fetchall()]
+            for ino in inos:
+                self._drop_inode_if_orphan(c, ino)
+        return len(inos)
+
+    # -- xattrs --------------------------------------------------------------
+    def get_xattr(self, ino: int, name: bytes) -> bytes:
+        with self._read() as c:
+            row = self._one(c, "SELECT value FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
+        if row is None:
+            raise MetaError(errno.ENODATA, f"no attribute {name!r}")
+        return bytes(row[0])
+
+    def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        if not name or len(name) > NAME_MAX_XATTR or b"\0" in name:
+            raise MetaError(errno.ERANGE, f"bad attribute name {name[:40]!r}")
+        if len(value) > XATTR_MAX:
+            raise MetaError(errno.E2BIG, f"attribute value over {XATTR_MAX} bytes")
+        with self._tx() as c:
+            self._getattr(c, ino)
+            self._x(
+                c,
+                "INSERT INTO xattrs (ino, name, value) VALUES (?,?,?) "
+                "ON CONFLICT (ino, name) DO UPDATE SET value = excluded.value",
+                (ino, name, value),
+            )
+            self._x(c, "UPDATE inodes SET ctime = ? WHERE ino = ?", (_now(), ino))
+
+    def list_xattr(self, ino: int) -> list[bytes]:
+        with self._read() as c:
+            rows = self._x(c, "SELECT name FROM xattrs WHERE ino = ? ORDER BY name", (ino,))
+            return [bytes(r[0]) for r in rows.fetchall()]
+
+    def remove_xattr(self, ino: int, name: bytes) -> None:
+        with self._tx() as c:
+            cur = self._x(c, "DELETE FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
+            if cur.rowcount == 0:
+                raise MetaError(errno.ENODATA, f"no attribute {name!r}")
+
+    # -- data ----------------------------------------------------------------
+    def get_extents(self, ino: int) -> list[Extent]:
+        with self._read() as c:
+            rows = self._x(
+                c,
+                "SELECT offset, length, chunk, chunk_off FROM extents WHERE ino = ? ORDER BY offset",
+                (ino,),
+            ).fetchall()
+        return [Extent(r[0], r[1], bytes(r[2]), r[3]) for r in rows]
+
+    def commit_file(
+        self,
+        ino: int,
+        extents: list[Extent],
+        size: int,
+        new_chunks: list[NewChunk],
+        mtime_ns: int | None = None,
+    ) -> Attr:
+        check_extents(extents, size)
+        with self._tx() as c:
+            a = self._getattr(c, ino)
+            if not a.is_reg:
+                raise MetaError(errno.EISDIR if a.is_dir else errno.EINVAL, "not a regular file")
+            now = _now()
+            self._register_chunks(c, new_chunks, now)
+            self._check_known(c, {e.chunk_id for e in extents})
+            self._release_extents(c, ino)
+            c.executemany(
+                self._q(
+                    "INSERT INTO extents (ino, offset, length, chunk, chunk_off) VALUES (?,?,?,?,?)"
+                ),
+                [(ino, e.offset, e.length, e.chunk_id, e.chunk_off) for e in extents],
+            )
+            self._adjust_refs(c, Counter(e.chunk_id for e in extents))
+            mt = mtime_ns if mtime_ns is not None else now
+            self._x(
+                c,
+                "UPDATE inodes SET size = ?, mtime = ?, ctime = ?, generation = generation + 1 "
+                "WHERE ino = ?",
+                (size, mt, now, ino),
+            )
+            return self._getattr(c, ino)
+
+    def _register_chunks(self, c: Any, chunks: list[NewChunk], now: int) -> None:
+        if not chunks:
+            return
+        c.executemany(
+            self._q(
+                "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched) "
+                "VALUES (?,?,?,0,?,?) ON CONFLICT (id) DO NOTHING"
+            ),
+            [(ch.chunk_id, ch.raw_len, ch.stored_len, ch.state, now) for ch in chunks],
+        )
+        durable = [(ch.chunk_id,) for ch in chunks if ch.state == DURABLE]
+        if durable:
+            c.executemany(self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), durable)
+
+    def _check_known(self, c: Any, ids: set[bytes]) -> None:
+        missing = self._missing(c, list(ids))
+        if missing:
+            raise MetaError(
+                errno.EIO,
+                f"extents reference {len(missing)} unknown chunk(s), e.g. {next(iter(missing)).hex()}",
+            )
+
+    def _missing(self, c: Any, ids: list[bytes]) -> set[bytes]:
+        found: set[bytes] = set()
+        for i in range(0, len(ids), 500):
+            part = ids[i : i + 500]
+            marks = ",".join("?" * len(part))
+            found.update(
+                bytes(r[0])
+                for r in self._x(c, f"SELECT id FROM chunks WHERE id IN ({marks})", part).fetchall()
+            )
+        return set(ids) - found
+
+    def missing_chunks(self, ids: list[bytes]) -> set[bytes]:
+        ids = list(dict.fromkeys(ids))
+        with self._tx() as c:
+            missing = self._missing(c, ids)
+            present = [(_now(), cid) for cid in ids if cid not in missing]
+            if present:
+                c.executemany(
+                    self._q("UPDATE chunks SET touched = ? WHERE id = ? AND refcount <= 0"), present
+                )
+        return missing
+
+    def chunk_info(self, ids: list[bytes]) -> dict[bytes, tuple[int, int, int, int]]:
+        out: dict[bytes, tuple[int, int, int, int]] = {}
+        with self._read() as c:
+            for i in range(0, len(ids), 500):
+                part = ids[i : i + 500]
+                marks = ",".join("?" * len(part))
+                for r in self._x(
+                    c,
+                    f"SELECT id, raw_len, stored_len, refcount, state FROM chunks WHERE id IN ({marks})",
+                    part,
+                ).fetchall():
+                    out[bytes(r[0])] = (r[1], r[2], r[3], r[4])
+        return out
+
+    def mark_durable(self, ids: list[bytes]) -> None:
+        with self._tx() as c:
+            c.executemany(
+                self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), [(i,) for i in ids]
+            )
+
+    def stats(self) -> VolumeStats:
+        with self._read() as c:
+            files, logical = self._one(
+                c,
+                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE nlink > 0 AND "
+                f"(mode & {0o170000}) = {stat.S_IFREG}",
+            )
+            inodes = self._one(c, "SELECT COUNT(*) FROM inodes")[0]
+            n, raw, stored, staged = self._one(
+                c,
+                "SELECT COUNT(*), COALESCE(SUM(raw_len), 0), COALESCE(SUM(stored_len), 0), "
+                f"COALESCE(SUM(CASE WHEN state = {DURABLE} THEN 0 ELSE 1 END), 0) "
+                "FROM chunks WHERE refcount > 0",
+            )
+        return VolumeStats(
+            logical_bytes=int(logical),
+            stored_bytes=int(stored),
+            raw_unique_bytes=int(raw),
+            unique_chunks=int(n),
+            staged_chunks=int(staged),
+            files=int(files),
+            inodes=int(inodes),
+        )
+
+
+NAME_MAX_XATTR = 255

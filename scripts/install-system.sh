@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# System packages ckptfs needs on Debian: FUSE 3 (mount + headers for pyfuse3),
+# PostgreSQL (the scale-out metadata engine and its tests), rclone (a peer the
+# FUSE benchmark compares against). Idempotent; skips apt when all are present.
+set -euo pipefail
+pkgs=(fuse3 libfuse3-dev pkg-config postgresql rclone)
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
