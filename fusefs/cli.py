@@ -163,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("volume", help="volume directory")
     f.add_argument("--nodes", type=int, default=4, help="local directory nodes (default 4)")
     f.add_argument(
-        "--node", action="append", metavar="URL",
+        "--node",
+        action="append",
+        metavar="URL",
         help="node URL (dir:/path or s3://bucket/prefix?endpoint=...), repeatable; "
         "append ?domain=LABEL for failure domains",
     )

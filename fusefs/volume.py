@@ -77,7 +77,9 @@ class VolumeSettings:
         if not 1 <= self.replicas <= n_nodes:
             raise VolumeError(f"replicas must be between 1 and the node count ({n_nodes})")
         try:
-            make_chunker(self.chunking, self.chunk_size, min_size=self.cdc_min, max_size=self.cdc_max)
+            make_chunker(
+                self.chunking, self.chunk_size, min_size=self.cdc_min, max_size=self.cdc_max
+            )
         except ValueError as e:
             raise VolumeError(str(e)) from e
 
@@ -242,7 +244,9 @@ class Volume:
                 if e.errno != errno.ENOENT or not make:
                     raise
                 try:
-                    attr = self.meta.create(attr.ino, name, stat.S_IFDIR | 0o755, os.getuid(), os.getgid())
+                    attr = self.meta.create(
+                        attr.ino, name, stat.S_IFDIR | 0o755, os.getuid(), os.getgid()
+                    )
                 except MetaError as e2:  # lost a race with another creator
                     if e2.errno != errno.EEXIST:
                         raise
@@ -566,7 +570,9 @@ class FileReader:
             raw = fut.result()
             s = max(offset, e.offset)
             t = min(end, e.offset + e.length)
-            out[s - offset : t - offset] = raw[e.chunk_off + s - e.offset : e.chunk_off + t - e.offset]
+            out[s - offset : t - offset] = raw[
+                e.chunk_off + s - e.offset : e.chunk_off + t - e.offset
+            ]
         return bytes(out)
 
     def _prefetch(self, i: int) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks and the load-test harness. Each benchmark prints one JSON object."""

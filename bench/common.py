@@ -1,0 +1,75 @@
+"""Helpers every benchmark shares: data generators, the local-disk baseline, timing."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+MiB = 2**20
+GiB = 2**30
+
+
+class UniqueBlocks:
+    """Incompressible, non-repeating data at memcpy speed.
+
+    A 64 MiB random pool is reused, with a counter stamped into every 64 KiB,
+    so no two chunks (of any size >= 64 KiB) are equal and nothing compresses,
+    without paying for random generation of every byte.
+    """
+
+    def __init__(self, seed: int = 0, pool: int = 64 * MiB) -> None:
+        self.pool = np.random.default_rng(seed).integers(0, 256, pool, dtype=np.uint8)
+        self.seed = seed
+        self.n = 0
+
+    def pieces(self, total: int, piece: int = 4 * MiB) -> Iterator[bytes]:
+        done = 0
+        while done < total:
+            size = min(piece, total - done)
+            start = (self.n * piece) % (len(self.pool) - piece)
+            buf = self.pool[start : start + size].copy()
+            stamps = buf[: size - size % 65536].view(np.uint64).reshape(-1, 8192)
+            base = (self.seed << 40) + self.n * 1024
+            stamps[:, 0] = np.arange(base, base + len(stamps), dtype=np.uint64)
+            self.n += 1
+            done += size
+            yield buf.tobytes()
+
+
+def bf16_weights(total: int, seed: int = 0, piece: int = 4 * MiB) -> Iterator[bytes]:
+    """bf16 normal(0, 0.02) values, the bytes of typical transformer weights."""
+    rng = np.random.default_rng(seed)
+    done = 0
+    while done < total:
+        size = min(piece, total - done)
+        f32 = rng.normal(0.0, 0.02, size // 2).astype(np.float32)
+        yield (f32.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+        done += size
+
+
+def disk_write(path: str, pieces: Iterator[bytes]) -> tuple[float, int]:
+    """The baseline: plain write + fsync of the same bytes to the same disk."""
+    t0 = time.perf_counter()
+    n = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for p in pieces:
+            os.write(fd, p)
+            n += len(p)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t0, n
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def mbps(nbytes: int, seconds: float) -> float:
+    """Decimal MB/s, the unit the targets are stated in."""
+    return round(nbytes / 1e6 / seconds, 1) if seconds > 0 else float("inf")

@@ -1,0 +1,116 @@
+"""The ckptfs command as a user runs it: real subprocesses, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+MiB = 2**20
+
+
+def ckptfs(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusefs.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        timeout=600,
+        **kw,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ckptfs {args} failed: {proc.stderr}")
+    return proc
+
+
+def _assert_clean_error(proc: subprocess.CompletedProcess, *words: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) >= 1 and lines[-1].startswith(("ckptfs: error", "usage", "ckptfs: "))
+    for w in words:
+        assert w in proc.stderr
+
+
+def _write_random(path, size: int) -> None:
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 64 * MiB)
+            f.write(os.urandom(n))
+            left -= n
+
+
+def test_put_get_1gib_random_byte_identical(tmp_path):
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    src = tmp_path / "big.bin"
+    _write_random(src, 1024 * MiB)
+    ckptfs("put", str(vol), str(src), "/data/big.bin")
+    src_size = src.stat().st_size
+    out = tmp_path / "back.bin"
+    ckptfs("get", str(vol), "/data/big.bin", str(out))
+    assert out.stat().st_size == src_size
+    assert filecmp.cmp(src, out, shallow=False)
+    st = json.loads(ckptfs("stats", str(vol), "--json").stdout)
+    assert st["logical_bytes"] == src_size
+    assert st["stored_bytes"] >= src_size  # random bytes do not compress
+    listing = ckptfs("ls", str(vol), "/data").stdout
+    assert "big.bin" in listing and str(src_size) in listing
+
+
+def test_second_name_grows_stored_bytes_under_1mib(tmp_path):
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol), "--nodes", "4", "--replicas", "2")
+    src = tmp_path / "f.bin"
+    _write_random(src, 256 * MiB)
+    ckptfs("put", str(vol), str(src), "/a")
+    s1 = json.loads(ckptfs("stats", str(vol), "--json").stdout)["stored_bytes"]
+    ckptfs("put", str(vol), str(src), "/b")
+    s2 = json.loads(ckptfs("stats", str(vol), "--json").stdout)["stored_bytes"]
+    assert s2 - s1 < MiB
+
+
+def test_rm_and_ls(tmp_path):
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol), "--chunk-size", "64KiB", "--compression", "zstd")
+    src = tmp_path / "s"
+    src.write_bytes(b"x" * 200_000)
+    ckptfs("put", str(vol), str(src), "/d/s")
+    ckptfs("rm", str(vol), "/d/s")
+    assert "s" not in ckptfs("ls", str(vol), "/d").stdout.split()
+    _assert_clean_error(ckptfs("rm", str(vol), "/d/s", check=False), "not found")
+    ckptfs("put", str(vol), str(src), "/d/t")
+    _assert_clean_error(ckptfs("rm", str(vol), "/d", check=False), "directory")
+    ckptfs("rm", str(vol), "/d", "-r")
+    assert json.loads(ckptfs("stats", str(vol), "--json").stdout)["unique_chunks"] == 0
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["stats", "{tmp}/missing"], ["no volume"]),
+        (["format", "{tmp}/v2", "--chunk-size", "4XB"], ["bad size"]),
+        (["format", "{tmp}/v2", "--chunk-size", "1KiB"], ["chunk size"]),
+        (["format", "{tmp}/v2", "--replicas", "9"], ["replicas"]),
+        (["format", "{tmp}/v2", "--node", "ftp://x"], ["expected dir:"]),
+        (["put", "{vol}", "{tmp}/no-such-file", "/x"], ["cannot read"]),
+        (["get", "{vol}", "/no/such", "{tmp}/out"], ["not found"]),
+        (["put", "{vol}", "{src}", "/bad\\name/.."], ["not allowed"]),
+    ],
+)
+def test_user_errors_are_one_line(tmp_path, args, words):
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    src = tmp_path / "src"
+    src.write_bytes(b"abc")
+    before = ckptfs("stats", str(vol), "--json").stdout
+    argv = [a.format(tmp=tmp_path, vol=vol, src=src) for a in args]
+    _assert_clean_error(ckptfs(*argv, check=False), *words)
+    assert ckptfs("stats", str(vol), "--json").stdout == before
+    assert not (tmp_path / "v2").exists()
+    assert not (tmp_path / "out").exists()
