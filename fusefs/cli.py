@@ -136,7 +136,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         if attr.is_dir and not args.recursive:
             raise UserError(f"{args.vol_path} is a directory (use -r)")
         if attr.is_dir:
-            for path, a in sorted(vol.walk(args.vol_path), key=lambda t: -t[0].count("/")):
+            for path, _attr in sorted(vol.walk(args.vol_path), key=lambda t: -t[0].count("/")):
                 vol.unlink(path)
         vol.unlink(args.vol_path)
     return 0

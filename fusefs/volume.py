@@ -68,7 +68,8 @@ class VolumeSettings:
     def validate(self, n_nodes: int) -> None:
         if not MIN_CHUNK <= self.chunk_size <= MAX_CHUNK:
             raise VolumeError(
-                f"chunk size {self.chunk_size} out of range: {MIN_CHUNK} (64KiB) .. {MAX_CHUNK} (64MiB)"
+                f"chunk size {self.chunk_size} out of range: "
+                f"{MIN_CHUNK} (64KiB) .. {MAX_CHUNK} (64MiB)"
             )
         if self.chunking not in ("fixed", "cdc"):
             raise VolumeError(f"chunking must be fixed or cdc, not {self.chunking!r}")
