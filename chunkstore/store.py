@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from chunkstore import codec
+from chunkstore.health import NodeHealth
 from chunkstore.ids import chunk_id
 from chunkstore.node import NodeError, ObjectMissing, ObjectNode
 from chunkstore.placement import place, rank_nodes
@@ -61,49 +63,112 @@ class ChunkStore:
         self._lock = threading.Lock()
         self.bad_replicas: list[BadReplica] = []
         self.on_bad_replica: Callable[[BadReplica], None] | None = None
+        # Node health and the replicas a degraded write could not place (see put_encoded).
+        self.health = {n.name: NodeHealth() for n in self.nodes}
+        self.under_replicated: dict[bytes, set[str]] = {}
+        self.on_under_replicated: Callable[[bytes, list[str]], None] | None = None
 
     def placement(self, cid: bytes) -> list[ObjectNode]:
         return [self.nodes[i] for i in place(cid, self._names, self._domains, self.replicas)]
 
     def read_order(self, cid: bytes) -> list[ObjectNode]:
-        """Placement nodes first, then every other node (chunks placed before a node change)."""
+        """Placement nodes first, then every other node (chunks placed before a node change,
+        handoff copies); nodes whose breaker is open go last, so a dead node costs no wait."""
         primary = self.placement(cid)
         rest = [self.nodes[i] for i in rank_nodes(cid, self._names)]
-        return primary + [n for n in rest if n not in primary]
+        order = primary + [n for n in rest if n not in primary]
+        now = time.monotonic()
+        return sorted(order, key=lambda n: not self.health[n.name].available(now))
 
     def put_encoded(self, cid: bytes, blob: bytes) -> list[str]:
         """Write an encoded chunk object to its R nodes in parallel.
 
-        Returns the names of the nodes that hold it. Raises ChunkStoreError
-        unless every placement node acknowledged it.
+        Returns the names of the nodes that hold it. A placement node that is
+        down (its breaker open) or fails is replaced by the next-ranked healthy
+        node (hinted handoff), and the chunk is reported as under-replicated on
+        it so fsck/heal can copy it back. The write fails only when no node at
+        all took a replica.
         """
         targets = self.placement(cid)
-        if len(targets) == 1:
-            try:
-                targets[0].put(cid, blob)
-            except NodeError as e:
-                raise ChunkStoreError(f"chunk {cid.hex()}: replica write failed: {e}") from e
-            return [targets[0].name]
-        futs = {self._pool.submit(n.put, cid, blob): n for n in targets}
-        wait(futs)
+        now = time.monotonic()
+        live = [n for n in targets if self.health[n.name].available(now)]
+        missed = [n for n in targets if n not in live]
+        ok, errors = self._put_all(cid, blob, live)
+        missed += [n for n in live if n.name not in ok]
+        if missed:
+            for n in self.read_order(cid):
+                if len(ok) >= self.replicas:
+                    break
+                if n in targets or not self.health[n.name].available():
+                    continue
+                extra, errs = self._put_all(cid, blob, [n])
+                ok += extra
+                errors += errs
+            if not ok:  # every breaker open: try the skipped placement nodes anyway
+                extra, errs = self._put_all(cid, blob, [n for n in targets if n not in live])
+                ok += extra
+                errors += errs
+            if not ok:
+                raise ChunkStoreError(
+                    f"chunk {cid.hex()}: no node took a replica: {'; '.join(errors)}"
+                )
+            lacking = [n.name for n in targets if n.name not in ok]
+            if lacking:
+                self._under_replicated(cid, lacking)
+        return ok
+
+    def _put_all(
+        self, cid: bytes, blob: bytes, nodes: Sequence[ObjectNode]
+    ) -> tuple[list[str], list[str]]:
+        """Put to these nodes in parallel; (names that acknowledged, error strings)."""
         ok, errors = [], []
+        if len(nodes) == 1:
+            try:
+                self._guarded(nodes[0], nodes[0].put, cid, blob)
+                ok.append(nodes[0].name)
+            except NodeError as e:
+                errors.append(f"{nodes[0].name}: {e}")
+            return ok, errors
+        futs = {self._pool.submit(self._guarded, n, n.put, cid, blob): n for n in nodes}
+        wait(futs)
         for f, n in futs.items():
             exc = f.exception()
             if exc is None:
                 ok.append(n.name)
             else:
                 errors.append(f"{n.name}: {exc}")
-        if errors:
-            raise ChunkStoreError(f"chunk {cid.hex()}: {len(errors)} of {len(targets)} replica "
-                                  f"writes failed: {'; '.join(errors)}")
-        return ok
+        return ok, errors
+
+    def _guarded(self, node: ObjectNode, fn: Callable, *args: object) -> object:
+        """Call a node method, feeding its circuit breaker; returns the result or the error."""
+        health = self.health[node.name]
+        try:
+            out = fn(*args)
+        except ObjectMissing:
+            health.ok()
+            raise
+        except NodeError as e:
+            health.failed(str(e))
+            raise
+        health.ok()
+        return out
+
+    def _under_replicated(self, cid: bytes, nodes: list[str]) -> None:
+        log.warning("chunk %s under-replicated: missing on %s", cid.hex(), ", ".join(nodes))
+        with self._lock:
+            self.under_replicated.setdefault(cid, set()).update(nodes)
+        if self.on_under_replicated is not None:
+            try:
+                self.on_under_replicated(cid, nodes)
+            except Exception:  # the save succeeded; fsck finds what was not recorded
+                log.exception("could not record under-replicated chunk %s", cid.hex())
 
     def get(self, cid: bytes) -> bytes:
         """Return the verified raw bytes of a chunk from the first good replica."""
         reasons = []
         for node in self.read_order(cid):
             try:
-                blob = node.get(cid)
+                blob = self._guarded(node, node.get, cid)
             except ObjectMissing as e:
                 if node in self.placement(cid):
                     self._report(BadReplica(cid, node.name, "missing", True))

@@ -33,6 +33,8 @@ from metadata.engine import (
     check_extents,
     check_name,
 )
+from metadata.checkpoints import CheckpointMixin
+from metadata.maintenance import MaintenanceMixin
 
 _ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation"
 XATTR_MAX = 64 * 1024
@@ -46,7 +48,7 @@ def _attr(row: Any) -> Attr:
     return Attr(*row)
 
 
-class SqlEngine(MetaEngine):
+class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
     """Subclasses set `self._conn` and implement `_ddl`, `_begin` and `_q`."""
 
     _lock: threading.RLock

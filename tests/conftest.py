@@ -14,7 +14,9 @@ if ROOT not in sys.path:
 from fusefs.volume import Volume, VolumeSettings  # noqa: E402
 
 # One line per concern's fixture module (tests/fixtures/*.py).
-pytest_plugins: list[str] = []
+pytest_plugins: list[str] = [
+    "tests.fixtures.seaweed",
+]
 
 
 @pytest.fixture

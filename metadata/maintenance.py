@@ -1,0 +1,180 @@
+"""Chunk maintenance queries for fsck, scrub and gc, mixed into SqlEngine.
+
+Kept apart from the namespace SQL because none of it runs on the hot path:
+it walks whole tables. Every statement is portable SQL (the SQLite and
+PostgreSQL engines share it); the one table it owns, `under_replicated`, is
+created on first use so older volumes need no migration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ChunkRow:
+    raw_len: int
+    stored_len: int
+    refcount: int
+    state: int
+    touched_ns: int
+
+
+class MaintenanceMixin:
+    """Needs the SqlEngine helpers `_tx`, `_read`, `_x` and `_q`."""
+
+    _ur_ready = False
+
+    # -- dialect --------------------------------------------------------------
+    def _blob_type(self) -> str:
+        # PostgreSQL's driver style turns `?` into `%s`; its binary type is BYTEA.
+        return "BLOB" if self._q("?") == "?" else "BYTEA"  # type: ignore[attr-defined]
+
+    def _ensure_ur(self, c: Any) -> None:
+        if self._ur_ready:
+            return
+        self._x(  # type: ignore[attr-defined]
+            c,
+            "CREATE TABLE IF NOT EXISTS under_replicated (chunk "
+            f"{self._blob_type()} NOT NULL, node TEXT NOT NULL, since BIGINT NOT NULL, "
+            "PRIMARY KEY (chunk, node))",
+        )
+        self._ur_ready = True
+
+    # -- chunks and references -----------------------------------------------
+    def chunk_rows(self) -> dict[bytes, ChunkRow]:
+        """Every chunk row: id -> (raw_len, stored_len, refcount, state, touched)."""
+        with self._read() as c:  # type: ignore[attr-defined]
+            rows = self._x(  # type: ignore[attr-defined]
+                c, "SELECT id, raw_len, stored_len, refcount, state, touched FROM chunks"
+            ).fetchall()
+        return {bytes(r[0]): ChunkRow(r[1], r[2], r[3], r[4], r[5]) for r in rows}
+
+    def true_refcounts(self) -> dict[bytes, int]:
+        """References recomputed from the extents (the truth refcounts must match)."""
+        with self._read() as c:  # type: ignore[attr-defined]
+            rows = self._x(  # type: ignore[attr-defined]
+                c, "SELECT chunk, COUNT(*) FROM extents GROUP BY chunk"
+            ).fetchall()
+        return {bytes(r[0]): int(r[1]) for r in rows}
+
+    def fix_refcounts(self, counts: dict[bytes, int]) -> int:
+        """Set refcounts to recomputed values (touching them, so gc waits a grace period)."""
+        if not counts:
+            return 0
+        now = time.time_ns()
+        with self._tx() as c:  # type: ignore[attr-defined]
+            c.executemany(
+                self._q("UPDATE chunks SET refcount = ?, touched = ? WHERE id = ?"),  # type: ignore[attr-defined]
+                [(n, now, cid) for cid, n in counts.items()],
+            )
+        return len(counts)
+
+    def files_using(self, ids: Iterable[bytes]) -> dict[bytes, list[int]]:
+        """Inodes whose extents reference these chunks (to name what a lost chunk breaks)."""
+        ids = list(ids)
+        out: dict[bytes, list[int]] = {}
+        with self._read() as c:  # type: ignore[attr-defined]
+            for i in range(0, len(ids), 500):
+                part = ids[i : i + 500]
+                marks = ",".join("?" * len(part))
+                for chunk, ino in self._x(  # type: ignore[attr-defined]
+                    c, f"SELECT DISTINCT chunk, ino FROM extents WHERE chunk IN ({marks})", part
+                ).fetchall():
+                    out.setdefault(bytes(chunk), []).append(int(ino))
+        return out
+
+    def inode_path(self, ino: int) -> str | None:
+        """One path of an inode (None for an unlinked one), for messages."""
+        names: list[str] = []
+        with self._read() as c:  # type: ignore[attr-defined]
+            for _ in range(4096):
+                if ino == 1:
+                    return "/" + "/".join(reversed(names))
+                row = self._x(  # type: ignore[attr-defined]
+                    c, "SELECT parent, name FROM dentries WHERE ino = ? LIMIT 1", (ino,)
+                ).fetchone()
+                if row is None:
+                    return None
+                ino = row[0]
+                names.append(bytes(row[1]).decode(errors="replace"))
+        return None
+
+    def gc_chunk_rows(self, grace_s: float, limit: int = 100_000) -> list[tuple[bytes, int]]:
+        """Delete unreferenced chunk rows untouched for `grace_s`; return (id, stored_len).
+
+        A row is deleted only if its refcount is 0 AND no extent points at it
+        (a wrong refcount never makes gc destroy live data) AND it was not
+        touched within the grace period (a writer that just deduplicated
+        against it restarted that timer through missing_chunks).
+        """
+        cutoff = time.time_ns() - int(grace_s * 1e9)
+        cond = (
+            "refcount <= 0 AND touched < ? "
+            "AND NOT EXISTS (SELECT 1 FROM extents e WHERE e.chunk = chunks.id)"
+        )
+        with self._tx() as c:  # type: ignore[attr-defined]
+            rows = self._x(  # type: ignore[attr-defined]
+                c, f"SELECT id, stored_len FROM chunks WHERE {cond} LIMIT ?", (cutoff, limit)
+            ).fetchall()
+            c.executemany(
+                self._q(f"DELETE FROM chunks WHERE id = ? AND {cond}"),  # type: ignore[attr-defined]
+                [(r[0], cutoff) for r in rows],
+            )
+            self._ensure_ur(c)
+            c.executemany(
+                self._q("DELETE FROM under_replicated WHERE chunk = ?"),  # type: ignore[attr-defined]
+                [(r[0],) for r in rows],
+            )
+        return [(bytes(r[0]), int(r[1])) for r in rows]
+
+    def known_chunks(self, ids: list[bytes]) -> set[bytes]:
+        """Which ids have a chunk row (no grace-timer side effect, unlike missing_chunks)."""
+        found: set[bytes] = set()
+        with self._read() as c:  # type: ignore[attr-defined]
+            for i in range(0, len(ids), 500):
+                part = ids[i : i + 500]
+                marks = ",".join("?" * len(part))
+                found.update(
+                    bytes(r[0])
+                    for r in self._x(  # type: ignore[attr-defined]
+                        c, f"SELECT id FROM chunks WHERE id IN ({marks})", part
+                    ).fetchall()
+                )
+        return found
+
+    # -- under-replicated chunks ------------------------------------------------
+    def record_under_replicated(self, cid: bytes, nodes: list[str]) -> None:
+        """A degraded write left `cid` without its replica on these placement nodes."""
+        now = time.time_ns()
+        with self._tx() as c:  # type: ignore[attr-defined]
+            self._ensure_ur(c)
+            c.executemany(
+                self._q(  # type: ignore[attr-defined]
+                    "INSERT INTO under_replicated (chunk, node, since) VALUES (?,?,?) "
+                    "ON CONFLICT (chunk, node) DO NOTHING"
+                ),
+                [(cid, n, now) for n in nodes],
+            )
+
+    def under_replicated(self) -> dict[bytes, set[str]]:
+        with self._tx() as c:  # type: ignore[attr-defined]
+            self._ensure_ur(c)
+            rows = self._x(c, "SELECT chunk, node FROM under_replicated").fetchall()  # type: ignore[attr-defined]
+        out: dict[bytes, set[str]] = {}
+        for chunk, node in rows:
+            out.setdefault(bytes(chunk), set()).add(node)
+        return out
+
+    def clear_under_replicated(self, pairs: list[tuple[bytes, str]]) -> None:
+        if not pairs:
+            return
+        with self._tx() as c:  # type: ignore[attr-defined]
+            self._ensure_ur(c)
+            c.executemany(
+                self._q("DELETE FROM under_replicated WHERE chunk = ? AND node = ?"),  # type: ignore[attr-defined]
+                pairs,
+            )
