@@ -1,0 +1,190 @@
+"""`ckptfs meta serve` (the metadata service) and `ckptfs checkpoints` (inspect steps)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+
+from fusefs.units import format_size
+from fusefs.volume import VOLUME_FILE, VolumeError, _open_engine
+from metadata.engine import MetaEngine
+from metadata.protocol import MAX_FRAME
+
+TOKEN_FILE = "meta.token"
+
+
+def _volume_desc(path: str) -> dict:
+    vf = os.path.join(path, VOLUME_FILE)
+    try:
+        with open(vf) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise VolumeError(f"no volume at {path} (run `ckptfs format {path}` first)") from None
+    except (OSError, ValueError) as e:
+        raise VolumeError(f"cannot read {vf}: {e}") from e
+
+
+def open_meta(spec: str, db: str | None = None) -> MetaEngine:
+    """The metadata engine of a volume dir, or a client of a ckptfs:// service."""
+    if spec.startswith("ckptfs://"):
+        from metadata.client import connect
+
+        return connect(spec)
+    path = os.path.abspath(spec)
+    return _open_engine(db or _volume_desc(path)["meta"], path)
+
+
+def ensure_token(path: str) -> str:
+    """Read the token file, creating it (0600, 256 random bits) if it does not exist."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        with open(path) as f:
+            token = f.read().strip()
+        if len(token) < 16:
+            raise VolumeError(f"token file {path} holds fewer than 16 characters") from None
+        return token
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return token
+
+
+def _listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, not {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from metadata.service import MetaService
+
+    path = os.path.abspath(args.volume)
+    desc = _volume_desc(path)
+    token_file = args.token_file or os.path.join(path, TOKEN_FILE)
+    token = ensure_token(token_file)
+    engine = _open_engine(args.db or desc["meta"], path)
+    engine.get_config()  # fail now, with one line, if the engine holds no volume
+    host, port = args.listen
+    service = MetaService(
+        engine, token, base_dir=path, max_frame=args.max_frame, threads=args.threads
+    )
+    logging.getLogger("ckptfs.meta").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(service.serve, host, port)
+            print(f"ckptfs meta: serving {path} on {host}:{bound} (token {token_file})", flush=True)
+
+    try:
+        trio.run(main)
+    finally:
+        engine.close()
+    return 0
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    meta = open_meta(args.volume)
+    try:
+        rows = meta.list_checkpoints(args.job)
+    finally:
+        meta.close()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'JOB':20} {'STEP':>8} {'STATE':10} {'RANKS':>11} {'FILES':>7} {'SIZE':>10}  CREATED")
+    for r in rows:
+        ranks = f"{r['committed']}/{r['world_size']}"
+        print(
+            f"{r['job']:20} {r['step']:>8} {r['state']:10} {ranks:>11} {r['files']:>7} "
+            f"{format_size(r['bytes']):>10}  {_when(r['created'])}"
+        )
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    meta = open_meta(args.volume)
+    try:
+        info = meta.checkpoint_info(args.job, args.step)
+    finally:
+        meta.close()
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"checkpoint {info['job']} step {info['step']}: {info['state']}")
+    if info["reason"]:
+        print(f"  reason:     {info['reason']}")
+    print(f"  path:       /{info['path']}")
+    print(f"  ranks:      {info['committed']}/{info['world_size']} committed")
+    if info["missing"]:
+        print(f"  missing:    {info['missing']}")
+    print(f"  size:       {format_size(info['bytes'])} (new {format_size(info['new_bytes'])})")
+    print(f"  dedup:      {info['dedup_ratio'] if info['dedup_ratio'] else '-'}")
+    print(f"  created:    {_when(info['created'])}   published: {_when(info['published'])}")
+    strag = info["stragglers"]
+    print(f"  stragglers: {', '.join(map(str, strag)) if strag else 'none'}")
+    ranks = info["ranks"]
+    shown = (
+        ranks
+        if args.all or len(ranks) <= 64
+        else ranks[:32] + [r for r in ranks[32:] if r["straggler"]]
+    )
+    print(f"  {'RANK':>6} {'COMMIT_S':>9} {'FILES':>6} {'BYTES':>10}  HOST")
+    for r in shown:
+        flag = "  straggler" if r["straggler"] else ""
+        print(
+            f"  {r['rank']:>6} {r['commit_s']:>9.3f} {r['files']:>6} "
+            f"{format_size(r['bytes']):>10}  {r['host'] or '-'}{flag}"
+        )
+    if len(shown) < len(ranks):
+        print(f"  ... {len(ranks) - len(shown)} more ranks (use --all)")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from fusefs.cli import size_arg
+
+    m = sub.add_parser("meta", help="the metadata service")
+    msub = m.add_subparsers(dest="meta_command", required=True, metavar="ACTION")
+    s = msub.add_parser("serve", help="serve a volume's metadata over TCP")
+    s.add_argument("volume", help="volume directory (object nodes, token file)")
+    s.add_argument("--listen", type=_listen, default=("127.0.0.1", 7410), metavar="HOST:PORT")
+    s.add_argument("--db", default=None, help="postgresql://... (default: the volume's engine)")
+    s.add_argument("--token-file", default=None, help=f"default VOLUME/{TOKEN_FILE}, created")
+    s.add_argument("--max-frame", type=size_arg, default=MAX_FRAME)
+    s.add_argument("--threads", type=int, default=8, help="engine worker threads")
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("checkpoints", help="list and inspect checkpoint steps")
+    c.add_argument("volume", help="volume directory or ckptfs://HOST:PORT")
+    csub = c.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    ls = csub.add_parser("list", help="steps of every job, or of one")
+    ls.add_argument("job", nargs="?", default=None)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_list)
+    sh = csub.add_parser("show", help="state, size, dedup and the per-rank timeline of a step")
+    sh.add_argument("job")
+    sh.add_argument("step", type=int)
+    sh.add_argument("--json", action="store_true")
+    sh.add_argument("--all", action="store_true", help="every rank, however many")
+    sh.set_defaults(func=cmd_show)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from fusefs.cli import main
+
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The metadata wire protocol: length-prefixed msgpack frames over TCP.
+
+Frame: 4-byte big-endian body length, then a msgpack body. A connection opens
+with one exchange, the handshake (version and token), then carries pipelined
+requests and responses matched by request id, in any order:
+
+    hello    {"proto": 1, "token": str}            -> {"proto": 1, "ok": true}
+    request  [id, method, args, kwargs, idem_key]  -> [id, 0, result]
+                                                   or [id, errno, message]
+
+`idem_key` (bytes or nil) marks a mutating request: the service applies a
+request with a given key once and answers retries from the first outcome.
+The engine's dataclasses travel as msgpack extension types (compact, and the
+decoder rebuilds them without knowing the method), sets and tuples likewise.
+Anything malformed raises ProtocolError, the only exception the decoders raise.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import fields
+from typing import Any
+
+import msgspec
+
+from metadata.engine import Attr, DirEntry, Extent, NewChunk, VolumeStats
+
+PROTO_VERSION = 1
+MAX_FRAME = 64 * 2**20
+HEADER = struct.Struct(">I")
+
+_TYPES: dict[int, type] = {1: Attr, 2: Extent, 3: NewChunk, 4: DirEntry, 5: VolumeStats}
+_CODES = {cls: code for code, cls in _TYPES.items()}
+_FIELDS = {cls: [f.name for f in fields(cls)] for cls in _TYPES.values()}
+_SET = 20
+
+
+# The engine methods a client may call: MetaEngine's interface plus checkpoints.
+# A method added to the engine becomes remote by adding its name here.
+READ_METHODS = frozenset(
+    {
+        "get_config", "lookup", "getattr", "readdir", "readlink", "get_xattr", "list_xattr",
+        "get_extents", "chunk_info", "stats", "step_state", "wait_published", "latest",
+        "latest_durable", "manifest", "list_checkpoints", "checkpoint_info",
+    }
+)  # fmt: skip
+MUTATING_METHODS = frozenset(
+    {
+        "create", "link", "unlink", "rmdir", "rename", "setattr", "forget_orphan",
+        "purge_orphans", "set_xattr", "remove_xattr", "commit_file", "missing_chunks",
+        "mark_durable", "begin", "commit_rank", "abort", "expire",
+    }
+)  # fmt: skip
+REMOTE_METHODS = READ_METHODS | MUTATING_METHODS
+
+
+class ProtocolError(Exception):
+    """A peer sent something that is not a valid frame or message."""
+
+
+def wire(obj: Any) -> Any:
+    """Engine dataclasses and sets -> extension types (msgspec would send dataclasses as maps)."""
+    t = type(obj)
+    code = _CODES.get(t)
+    if code is not None:
+        return msgspec.msgpack.Ext(code, _ENC.encode([wire(getattr(obj, f)) for f in _FIELDS[t]]))
+    if t is list or t is tuple:
+        return [wire(x) for x in obj]
+    if t is dict:
+        return {k: wire(v) for k, v in obj.items()}
+    if t is set or t is frozenset:
+        return msgspec.msgpack.Ext(_SET, _ENC.encode([wire(x) for x in obj]))
+    return obj
+
+
+def _enc_hook(obj: Any) -> Any:
+    raise TypeError(f"cannot send a {type(obj).__name__} over the metadata protocol")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code == _SET:
+        return set(_DEC.decode(data))
+    cls = _TYPES.get(code)
+    if cls is None:
+        raise ProtocolError(f"unknown extension type {code}")
+    vals = _DEC.decode(data)
+    if not isinstance(vals, list):
+        raise ProtocolError(f"bad {cls.__name__} encoding")
+    return cls(*vals)
+
+
+_ENC = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_DEC = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+
+def encode(obj: Any) -> bytes:
+    return _ENC.encode(wire(obj))
+
+
+def decode(body: bytes | memoryview) -> Any:
+    try:
+        return _DEC.decode(body)
+    except ProtocolError:
+        raise
+    except Exception as e:  # msgspec errors, bad dataclass arity (TypeError) ...
+        raise ProtocolError(f"undecodable message: {e}") from None
+
+
+def frame(body: bytes) -> bytes:
+    return HEADER.pack(len(body)) + body
+
+
+def encode_frame(obj: Any) -> bytes:
+    return frame(encode(obj))
+
+
+class FrameDecoder:
+    """Incremental frame splitter: feed bytes, get complete frame bodies back."""
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        out: list[bytes] = []
+        while len(self._buf) >= 4:
+            (n,) = HEADER.unpack_from(self._buf)
+            if n > self.max_frame:
+                raise ProtocolError(f"frame of {n} bytes exceeds the {self.max_frame} byte limit")
+            if len(self._buf) < 4 + n:
+                break
+            out.append(bytes(self._buf[4 : 4 + n]))
+            del self._buf[: 4 + n]
+        return out
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf)
+
+
+def parse_request(body: bytes) -> tuple[int, str, list, dict, bytes | None]:
+    """Validate a request's shape: (id, method, args, kwargs, idempotency key)."""
+    msg = decode(body)
+    if not isinstance(msg, list) or len(msg) != 5:
+        raise ProtocolError("a request is [id, method, args, kwargs, idem_key]")
+    rid, method, args, kwargs, key = msg
+    if not isinstance(rid, int) or isinstance(rid, bool) or not 0 < rid < 2**63:
+        raise ProtocolError("request id must be a positive integer")
+    if not isinstance(method, str) or not isinstance(args, list) or not isinstance(kwargs, dict):
+        raise ProtocolError("bad request fields")
+    if not all(isinstance(k, str) for k in kwargs):
+        raise ProtocolError("keyword argument names must be strings")
+    if key is not None and (not isinstance(key, bytes) or not 8 <= len(key) <= 64):
+        raise ProtocolError("idempotency key must be 8..64 bytes")
+    return rid, method, args, kwargs, key
+
+
+def parse_hello(body: bytes) -> dict:
+    msg = decode(body)
+    if not isinstance(msg, dict) or not isinstance(msg.get("token"), str):
+        raise ProtocolError("the first message must be a hello with a token")
+    return msg
