@@ -178,3 +178,26 @@ class MaintenanceMixin:
                 self._q("DELETE FROM under_replicated WHERE chunk = ? AND node = ?"),  # type: ignore[attr-defined]
                 pairs,
             )
+
+    # -- repairs ---------------------------------------------------------------
+    def drop_chunk_rows(self, ids: list[bytes]) -> int:
+        """Delete these chunk rows if still unreferenced (fsck: a lost, unused chunk)."""
+        cond = "refcount <= 0 AND NOT EXISTS (SELECT 1 FROM extents e WHERE e.chunk = chunks.id)"
+        with self._tx() as c:  # type: ignore[attr-defined]
+            before = self._x(c, "SELECT COUNT(*) FROM chunks").fetchone()[0]  # type: ignore[attr-defined]
+            c.executemany(
+                self._q(f"DELETE FROM chunks WHERE id = ? AND {cond}"),  # type: ignore[attr-defined]
+                [(cid,) for cid in ids],
+            )
+            after = self._x(c, "SELECT COUNT(*) FROM chunks").fetchone()[0]  # type: ignore[attr-defined]
+        return int(before - after)
+
+    def register_chunk_rows(self, chunks: list, refcounts: dict[bytes, int]) -> None:
+        """Re-create rows for chunks found on nodes but missing from the table (fsck)."""
+        now = time.time_ns()
+        with self._tx() as c:  # type: ignore[attr-defined]
+            self._register_chunks(c, chunks, now)  # type: ignore[attr-defined]
+            c.executemany(
+                self._q("UPDATE chunks SET refcount = ?, touched = ? WHERE id = ?"),  # type: ignore[attr-defined]
+                [(refcounts.get(ch.chunk_id, 0), now, ch.chunk_id) for ch in chunks],
+            )

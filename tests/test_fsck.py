@@ -1,0 +1,224 @@
+"""fsck, scrub and gc on local directory nodes: every injected problem is found, the
+repairable ones are repaired, and the CLI reports and exits accordingly."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from chunkstore import codec
+from chunkstore.ids import chunk_id
+from fusefs.cli import main
+from fusefs.fsck import check_volume
+from fusefs.gc import gc
+from fusefs.scrub import scrub
+
+
+def fsck_json(capsys, vol, *extra: str) -> tuple[int, dict]:
+    capsys.readouterr()
+    rc = main(["fsck", vol.base_dir, "--json", *extra])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def kinds(rep: dict) -> list[str]:
+    return sorted(p["kind"] for p in rep["problems"])
+
+
+@pytest.fixture
+def filled(make_volume):
+    vol = make_volume(nodes=4, replicas=2, chunk_size=64 * 1024)
+    data = os.urandom(5 * 64 * 1024 + 123)
+    vol.write_file("/d/a.bin", data)
+    return vol, data
+
+
+def first_chunk(vol, path="/d/a.bin") -> bytes:
+    return vol.meta.get_extents(vol.resolve(path).ino)[0].chunk_id
+
+
+def test_clean_volume_has_no_problems(filled, capsys):
+    vol, _ = filled
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 0
+    assert rep["problems"] == []
+    assert rep["chunks"] == 6 and rep["objects"] == 12 and rep["replicas_read"] == 12
+
+
+def test_deleted_replica_found_and_repaired(filled, capsys):
+    vol, data = filled
+    cid = first_chunk(vol)
+    victim = vol.store.placement(cid)[1]
+    victim.delete(cid)
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 1 and kinds(rep) == ["missing_replica"]
+    assert rep["problems"][0]["node"] == victim.name
+    rc, rep = fsck_json(capsys, vol, "--repair")
+    assert rc == 0 and rep["problems"][0]["repaired"] is True
+    assert victim.exists(cid)
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 0 and rep["problems"] == []
+    assert vol.read_file("/d/a.bin") == data
+
+
+def test_flipped_byte_found_and_rewritten(filled, capsys):
+    vol, data = filled
+    cid = first_chunk(vol)
+    node = vol.store.placement(cid)[0]
+    blob = bytearray(node.get(cid))
+    blob[len(blob) // 2] ^= 0x01
+    node.put(cid, bytes(blob))
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 1 and kinds(rep) == ["corrupt_replica"]
+    rc, rep = fsck_json(capsys, vol, "--repair")
+    assert rc == 0
+    codec.verify(node.get(cid))
+    assert fsck_json(capsys, vol)[1]["problems"] == []
+
+
+def test_orphan_object_respects_grace_then_is_deleted(filled, capsys):
+    vol, _ = filled
+    raw = os.urandom(1000)
+    cid = chunk_id(raw, vol.seed)
+    node = vol.store.nodes[0]
+    node.put(cid, codec.encode(raw, "none"))
+    rc, rep = fsck_json(capsys, vol)  # default grace: an in-flight write, left alone
+    assert rc == 0 and rep["problems"] == [] and rep["young_objects_skipped"] == 1
+    rc, rep = fsck_json(capsys, vol, "--grace", "0")
+    assert rc == 1 and kinds(rep) == ["orphan_object"]
+    rc, rep = fsck_json(capsys, vol, "--grace", "0", "--repair")
+    assert rc == 0 and not node.exists(cid)
+
+
+def test_chunk_lost_everywhere_is_named_not_repaired(filled, capsys):
+    vol, _ = filled
+    cid = first_chunk(vol)
+    for n in vol.store.nodes:
+        n.delete(cid)
+    rc, rep = fsck_json(capsys, vol, "--repair")
+    assert rc == 1
+    dangling = [p for p in rep["problems"] if p["kind"] == "dangling_extent"]
+    assert len(dangling) == 1 and dangling[0]["chunk"] == cid.hex()
+    assert dangling[0]["files"] == ["/d/a.bin"] and "lost" in dangling[0]["why_not"]
+    assert not dangling[0]["repaired"]
+    # Text mode names the file too, and still fails.
+    capsys.readouterr()
+    assert main(["fsck", vol.base_dir]) == 1
+    out = capsys.readouterr().out
+    assert "dangling_extent" in out and "used by /d/a.bin" in out and "NOT repaired" in out
+
+
+def test_wrong_refcount_found_and_fixed(filled, capsys):
+    vol, _ = filled
+    cid = first_chunk(vol)
+    with vol.meta._tx() as c:
+        c.execute("UPDATE chunks SET refcount = 7 WHERE id = ?", (cid,))
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 1 and kinds(rep) == ["refcount_mismatch"]
+    rc, rep = fsck_json(capsys, vol, "--repair")
+    assert rc == 0
+    assert vol.meta.chunk_info([cid])[cid][2] == 1
+    assert fsck_json(capsys, vol)[1]["problems"] == []
+
+
+def test_wiped_node_is_rereplicated_from_survivors(filled, capsys):
+    vol, data = filled
+    lost = vol.store.nodes[2]
+    held = sum(1 for _ in lost.list())
+    assert held > 0
+    lost.wipe()
+    lost.ensure()
+    rc, rep = fsck_json(capsys, vol, "--repair")
+    assert rc == 0 and kinds(rep) == ["missing_replica"] * held
+    assert sum(1 for _ in lost.list()) == held
+    assert fsck_json(capsys, vol)[1]["problems"] == []
+    assert vol.read_file("/d/a.bin") == data
+
+
+def test_scrub_rewrites_bad_replica_and_honours_rate(filled):
+    vol, data = filled
+    cid = first_chunk(vol)
+    node = vol.store.placement(cid)[1]
+    blob = bytearray(node.get(cid))
+    blob[-1] ^= 0xFF
+    node.put(cid, bytes(blob))
+    rep = scrub(vol)
+    assert [p.kind for p in rep.problems] == ["corrupt_replica"] and rep.problems[0].repaired
+    codec.verify(node.get(cid))
+    total = rep.bytes_read
+    t0 = time.monotonic()
+    rep = scrub(vol, rate_mbps=total / 1e6 / 0.5)  # the whole volume at 2x its size per second
+    assert rep.problems == [] and time.monotonic() - t0 >= 0.4
+    assert vol.read_file("/d/a.bin") == data
+
+
+def test_gc_deletes_only_unreferenced_chunks_past_grace(make_volume, capsys):
+    vol = make_volume(nodes=3, replicas=2, chunk_size=64 * 1024)
+    keep = os.urandom(3 * 64 * 1024)
+    drop = os.urandom(4 * 64 * 1024)
+    vol.write_file("/keep", keep)
+    vol.write_file("/drop", drop)
+    drop_ids = {e.chunk_id for e in vol.meta.get_extents(vol.resolve("/drop").ino)}
+    vol.unlink("/drop")
+    assert gc(vol, grace=3600).rows_deleted == 0  # inside the grace period: nothing goes
+    capsys.readouterr()
+    assert main(["gc", vol.base_dir, "--grace", "0", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["rows_deleted"] == 4 and rep["objects_deleted"] == 8
+    assert not any(n.exists(c) for n in vol.store.nodes for c in drop_ids)
+    assert vol.read_file("/keep") == keep
+    assert fsck_json(capsys, vol)[1]["problems"] == []
+
+
+def test_gc_spares_chunk_a_writer_just_deduplicated(make_volume):
+    vol = make_volume(nodes=3, replicas=2, chunk_size=64 * 1024)
+    data = os.urandom(2 * 64 * 1024)
+    vol.write_file("/a", data)
+    vol.unlink("/a")
+    time.sleep(1.2)
+    ids = vol.hash_many([data[: 64 * 1024], data[64 * 1024 :]])
+    assert vol.meta.missing_chunks(ids) == set()  # a writer dedups: timers restart
+    assert gc(vol, grace=1.0).rows_deleted == 0
+    vol.write_file("/b", data)  # commits against the kept chunks without storing them
+    assert vol.read_file("/b") == data
+
+
+def test_gc_never_deletes_a_chunk_extents_use_even_with_refcount_zero(filled):
+    vol, data = filled
+    cid = first_chunk(vol)
+    with vol.meta._tx() as c:
+        c.execute("UPDATE chunks SET refcount = 0, touched = 0 WHERE id = ?", (cid,))
+    rep = gc(vol, grace=0)
+    assert rep.rows_deleted == 0 and rep.objects_deleted == 0
+    assert vol.read_file("/d/a.bin") == data
+
+
+def test_fsck_without_verify_lists_only(filled):
+    vol, _ = filled
+    rep = check_volume(vol, verify=False)
+    assert rep.replicas_read == 0 and rep.problems == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["gc", "{vol}", "--grace", "-1"],
+        ["gc", "{vol}", "--grace", "soon"],
+        ["scrub", "{vol}", "--rate", "0"],
+    ],
+)
+def test_bad_options_are_rejected(filled, argv, capsys):
+    vol, _ = filled
+    with pytest.raises(SystemExit) as e:
+        main([a.format(vol=vol.base_dir) for a in argv])
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_missing_volume_is_one_line_error(tmp_path, capsys):
+    for cmd in ("fsck", "scrub", "gc"):
+        assert main([cmd, str(tmp_path / "nope")]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("ckptfs: error: no volume") and "Traceback" not in err
