@@ -1,0 +1,614 @@
+"""torch.distributed.checkpoint backend: ranks write the volume directly, no FUSE in the path.
+
+Layout mirrors FileSystemWriter byte for byte (`.metadata` plus `__{rank}_{n}.distcp`,
+every item `torch.save`d at the same offsets), so a checkpoint saved here loads with
+FileSystemReader through the mount and vice versa. What differs is where bytes go:
+
+- each file is streamed through a volume FileWriter with a forced chunk cut at every
+  item, so an unchanged tensor yields the same chunks (and stores nothing) even when
+  its neighbours change; hashing and compression run in the volume's thread pool;
+- files are never committed into the live namespace. Each rank commits its files
+  with the step's `commit_rank`; the coordinator commits last, in `finish`, with
+  `.metadata`, which makes the metadata service publish the step atomically.
+  Any failure aborts the step, so `latest` stays at the previous step;
+- the writer pickles (no open Volume inside it): each process opens the volume
+  lazily and keeps it in a per-process cache, which is what `dcp.async_save` in
+  PROCESS mode needs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import errno
+import io
+import os
+import pickle
+import re
+import socket
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future as CFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    DEFAULT_SUFFIX,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StorageReaderTransforms,
+)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from fusefs.volume import FileWriter, Volume
+from metadata.engine import Extent, MetaError
+
+__all__ = ["CkptfsWriter", "CkptfsReader", "latest_step", "resume_path", "parse_ckpt_path"]
+
+METADATA_FILE = ".metadata"
+READ_WINDOW = 256 * 2**20  # raw chunk bytes fetched ahead of the item being decoded
+_STEP_RE = re.compile(r"(\d+)$")
+
+
+class CkptfsError(RuntimeError):
+    """A checkpoint-level problem a user can act on (bad path, step already used...)."""
+
+
+# -- one Volume per process and spec ---------------------------------------------------------
+_VOLUMES: dict[tuple[int, str], Volume] = {}
+_VLOCK = threading.Lock()
+
+
+def _volume(spec: str) -> Volume:
+    """Open the volume once per process (the writer itself never holds one: it must pickle)."""
+    key = (os.getpid(), spec)
+    with _VLOCK:
+        vol = _VOLUMES.get(key)
+        if vol is None:
+            vol = Volume.open(spec)
+            _VOLUMES[key] = vol
+        return vol
+
+
+def close_volumes() -> None:
+    """Close every volume this process opened (atexit; tests call it between volumes)."""
+    with _VLOCK:
+        mine = [k for k in _VOLUMES if k[0] == os.getpid()]
+        vols = [_VOLUMES.pop(k) for k in mine]
+    for v in vols:
+        try:
+            v.close()
+        except Exception:  # noqa: S110 - best effort at exit
+            pass
+
+
+atexit.register(close_volumes)
+
+
+def _spec(volume: Any) -> str:
+    if isinstance(volume, Volume):
+        raise TypeError(
+            "pass the volume directory or ckptfs://HOST:PORT, not a Volume object: "
+            "the writer must pickle for dcp.async_save"
+        )
+    if not isinstance(volume, str | os.PathLike):
+        raise TypeError(f"volume must be a directory or ckptfs://HOST:PORT, not {volume!r}")
+    s = os.fspath(volume)
+    return s if s.startswith("ckptfs://") else os.path.abspath(s)
+
+
+def _norm_path(path: Any) -> str:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"checkpoint path must be a string, not {path!r}")
+    parts = [p for p in os.fspath(path).split("/") if p and p != "."]
+    if not parts or ".." in parts:
+        raise ValueError(f"bad checkpoint path {path!r}: want e.g. 'job/step-000100'")
+    return "/".join(parts)
+
+
+def parse_ckpt_path(path: str, job: str | None = None, step: int | None = None) -> tuple[str, int]:
+    """'a/job/step-000100' -> ('a/job', 100); explicit job/step win over the path."""
+    parts = _norm_path(path).split("/")
+    if step is None:
+        m = _STEP_RE.search(parts[-1])
+        if m is None:
+            raise ValueError(
+                f"cannot tell the step from {path!r}: end the path in a number "
+                "(e.g. job/step-000100) or pass step="
+            )
+        step = int(m.group(1))
+    if job is None:
+        if len(parts) < 2:
+            raise ValueError(f"cannot tell the job from {path!r}: use job/step-N or pass job=")
+        job = "/".join(parts[:-1])
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative integer, not {step!r}")
+    return job, step
+
+
+# -- writer ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _RankPlan:
+    """What the coordinator tells each rank: its file prefix and the step it commits to."""
+
+    prefix: str
+    job: str
+    step: int
+
+
+class _Sink(io.RawIOBase):
+    """The file-like torch.save writes an item into (counts bytes, feeds the FileWriter)."""
+
+    def __init__(self, w: FileWriter) -> None:
+        self.w = w
+        self.n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = self.w.write(b)
+        self.n += n
+        return n
+
+
+def _cpu_tensor(t: torch.Tensor) -> torch.Tensor:
+    """As FileSystemWriter's loader: on CPU, with storage no larger than the tensor."""
+    t = t.detach().cpu()
+    if t.untyped_storage().size() != t.nbytes:
+        t = t.clone()
+    return t
+
+
+class CkptfsWriter(StorageWriter, BlockingAsyncStager):
+    """StorageWriter onto a ckptfs volume; publishes the step through the checkpoint API."""
+
+    def __init__(
+        self,
+        volume: str | os.PathLike,
+        path: str,
+        *,
+        job: str | None = None,
+        step: int | None = None,
+        single_file_per_rank: bool = True,
+        thread_count: int = 1,
+        deadline_s: float = 600.0,
+        publish_timeout: float = 120.0,
+        cache_staged_state_dict: bool = False,
+    ) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        if not isinstance(thread_count, int) or not 1 <= thread_count <= 64:
+            raise ValueError("thread_count must be an integer in 1..64")
+        self.volume = _spec(volume)
+        self._job_arg, self._step_arg = job, step
+        self.path = _norm_path(path)
+        self.job, self.step = parse_ckpt_path(self.path, job, step)
+        self.single_file_per_rank = single_file_per_rank
+        self.thread_count = thread_count
+        self.deadline_s = deadline_s
+        self.publish_timeout = publish_timeout
+        self.save_id = _uuid()
+        self.rank: int = 0
+        self.is_coordinator = False
+        self._plan: _RankPlan | None = None
+        self._pending: list[dict] = []
+
+    # pickling: only specs and plain settings travel (async PROCESS mode)
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["state_dict_cache"] = None
+        state["_pending"] = []
+        return state
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = _norm_path(checkpoint_id)
+            self.job, self.step = parse_ckpt_path(self.path, self._job_arg, self._step_arg)
+        self.save_id = _uuid()
+        self._plan = None
+        self._pending = []
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False  # never picked automatically: pass storage_writer=CkptfsWriter(...)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        self.rank = int(rank) if rank is not None else 0
+        if not kwargs.get("use_collectives", True) and _world() > 1:
+            raise CkptfsError("CkptfsWriter needs use_collectives=True with more than one rank")
+        self._pending = []
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        _volume(self.volume)  # open early: a bad volume fails the plan step on every rank
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: open the step (hidden until every rank has committed)."""
+        meta = _volume(self.volume).meta
+        try:
+            info = meta.begin(
+                self.job, self.step, len(plans), path=self.path, deadline_s=self.deadline_s
+            )
+        except MetaError as e:
+            raise CkptfsError(f"cannot start {self.job} step {self.step}: {e}") from e
+        if info["state"] != "open" or info["committed"]:
+            raise CkptfsError(
+                f"{self.job} step {self.step} is {info['state']} "
+                f"({info['committed']}/{info['world_size']} ranks committed"
+                + (f", {info['reason']}" if info.get("reason") else "")
+                + "): save under a new step number"
+            )
+        return [
+            dataclasses.replace(p, storage_data=_RankPlan(f"__{i}_", self.job, self.step))
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rp: _RankPlan = plan.storage_data
+        self._plan = rp
+        try:
+            results, files = self._write_files(rp, plan.items, planner)
+            if self.is_coordinator:
+                self._pending = files  # committed with .metadata in finish()
+            else:
+                self._commit(files)
+        except BaseException as e:
+            self._abort(f"rank {self.rank} failed in write_data: {e!r}")
+            raise
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_files(
+        self, rp: _RankPlan, items: list[WriteItem], planner: SavePlanner
+    ) -> tuple[list[WriteResult], list[dict]]:
+        if self.single_file_per_rank:
+            buckets = _split_by_size_and_type(self.thread_count, items)
+        else:
+            buckets = [[it] for it in items]
+        names = [f"{rp.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
+        vol = _volume(self.volume)
+        work = list(zip(names, buckets, strict=True))
+        if self.thread_count == 1 or len(work) <= 1:
+            done = [_write_file(vol, name, b, planner) for name, b in work]
+        else:
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="ckptfs-dcp") as ex:
+                done = list(ex.map(lambda nb: _write_file(vol, nb[0], nb[1], planner), work))
+        results = [r for res, _ in done for r in res]
+        return results, [f for _, f in done]
+
+    def _commit(self, files: list[dict]) -> dict:
+        assert self._plan is not None
+        meta = _volume(self.volume).meta
+        return meta.commit_rank(
+            self._plan.job, self._plan.step, self.rank, files, host=socket.gethostname()[:255]
+        )
+
+    def _abort(self, reason: str) -> None:
+        rp = self._plan
+        job, step = (rp.job, rp.step) if rp is not None else (self.job, self.step)
+        try:
+            _volume(self.volume).meta.abort(job, step, reason[:500])
+        except Exception:  # noqa: S110 - the original error is the one to report
+            pass
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: write `.metadata`, commit rank 0 last, which publishes the step."""
+        try:
+            metadata.version = CURRENT_DCP_VERSION
+            storage_md = {}
+            for wr_list in results:
+                storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+            metadata.storage_data = storage_md
+            metadata.storage_meta = self.storage_meta()
+            vol = _volume(self.volume)
+            w = FileWriter(vol, 0)
+            try:
+                w.write(pickle.dumps(metadata))
+                w.close(commit=False)
+            except BaseException:
+                w.abort()
+                raise
+            files = [*self._pending, _file_record(METADATA_FILE, w)]
+            info = self._commit(files)
+            if info["state"] == "open":
+                assert self._plan is not None
+                info = vol.meta.wait_published(
+                    self._plan.job, self._plan.step, timeout=self.publish_timeout
+                )
+            if info["state"] != "published":
+                raise CkptfsError(
+                    f"{info['job']} step {info['step']} was not published: "
+                    f"{info['state']} {info.get('reason', '')}"
+                )
+        except BaseException as e:
+            self._abort(f"coordinator failed in finish: {e!r}")
+            raise
+        finally:
+            self._pending = []
+
+
+def _uuid() -> str:
+    import uuid
+
+    return str(uuid.uuid4())
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _file_record(name: str, w: FileWriter) -> dict:
+    return {
+        "path": name,
+        "size": w.size,
+        "extents": w.extents,
+        "new_chunks": list(w.new_chunks.values()),
+    }
+
+
+def _write_file(
+    vol: Volume, name: str, items: list[WriteItem], planner: SavePlanner
+) -> tuple[list[WriteResult], dict]:
+    """One .distcp file, in FileSystemWriter's order: byte items, then tensors."""
+    w = FileWriter(vol, 0)
+    results: list[WriteResult] = []
+    try:
+        for item in [i for i in items if i.type == WriteItemType.BYTE_IO]:
+            data = planner.resolve_data(item)
+            if not isinstance(data, io.BytesIO):
+                raise TypeError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}")
+            w.cut()
+            off = w.size
+            n = w.write(data.getbuffer())
+            results.append(_result(item, name, off, n))
+        for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
+            t = _cpu_tensor(planner.resolve_data(item))
+            w.cut()  # item boundary = chunk boundary: unchanged tensors dedup
+            off = w.size
+            sink = _Sink(w)
+            torch.save(t, sink)
+            results.append(_result(item, name, off, sink.n))
+        w.close(commit=False)
+    except BaseException:
+        w.abort()
+        raise
+    return results, _file_record(name, w)
+
+
+def _result(item: WriteItem, name: str, off: int, n: int) -> WriteResult:
+    return WriteResult(index=item.index, size_in_bytes=n, storage_data=_StorageInfo(name, off, n))
+
+
+# -- reader ----------------------------------------------------------------------------------
+class CkptfsReader(StorageReader):
+    """StorageReader from a ckptfs volume: parallel chunk fetches ordered by file offset."""
+
+    def __init__(
+        self, volume: str | os.PathLike, path: str, *, read_window: int = READ_WINDOW
+    ) -> None:
+        super().__init__()
+        self.volume = _spec(volume)
+        self.path = _norm_path(path)
+        self.read_window = max(1, int(read_window))
+        self.storage_data: dict[Any, Any] = {}
+        self.load_id = _uuid()
+        self.transforms = _StorageReaderTransforms()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["storage_data"] = {}
+        return state
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = _norm_path(checkpoint_id)
+        self.load_id = _uuid()
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+    def _file(self, rel: str) -> tuple[int, list[Extent]]:
+        vol = _volume(self.volume)
+        full = f"{self.path}/{rel}"
+        try:
+            attr = vol.resolve(full)
+        except MetaError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise FileNotFoundError(
+                    f"no {full} in volume {self.volume} (is the step published?)"
+                ) from None
+            raise
+        if not attr.is_reg:
+            raise CkptfsError(f"{full} is not a regular file")
+        return attr.size, vol.meta.get_extents(attr.ino)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        size, extents = self._file(name)
+        data = b"".join(
+            bytes(b)
+            for b in _assemble(_volume(self.volume), extents, [(0, size)], self.read_window)
+        )
+        metadata = pickle.loads(data)  # noqa: S301 - DCP's own format (FileSystemReader does the same)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if metadata.storage_data is None:
+            raise CkptfsError("checkpoint metadata has no storage_data")
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        vol = _volume(self.volume)
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for rel in sorted(per_file):
+            reqs = sorted(per_file[rel], key=lambda r: self.storage_data[r.storage_index].offset)
+            size, extents = self._file(rel)
+            ranges = []
+            for r in reqs:
+                md: _StorageInfo = self.storage_data[r.storage_index]
+                if md.offset + md.length > size:
+                    raise CkptfsError(f"{self.path}/{rel}: item {r.storage_index} past end of file")
+                ranges.append((md.offset, md.length))
+            for req, data in zip(
+                reqs, _assemble(vol, extents, ranges, self.read_window), strict=True
+            ):
+                self._load_item(req, data, planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _load_item(self, req: ReadItem, data: bytes | memoryview, planner: LoadPlanner) -> None:
+        md: _StorageInfo = self.storage_data[req.storage_index]
+        stream = self.transforms.transform_load_stream(
+            req, md.transform_descriptors or (), io.BytesIO(data)
+        )
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+            return
+        if not stream.seekable():
+            stream = io.BytesIO(stream.read(-1))
+        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CkptfsError(
+                f"item {req.storage_index}: stored size {tuple(tensor.size())} "
+                f"does not match the target {tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+
+def _assemble(
+    vol: Volume, extents: list[Extent], ranges: list[tuple[int, int]], window: int
+) -> Iterator[bytes | memoryview]:
+    """Bytes of each (offset, length) range, in order; chunks fetched ahead in parallel.
+
+    Every chunk is fetched once per call however many ranges use it, through
+    Volume.fetch_chunk (the host read cache with single-flight when a tier is
+    attached), at most `window` raw bytes ahead of the range being assembled.
+    """
+    import bisect
+
+    starts = [e.offset for e in extents]
+    pieces: list[list[tuple[Extent, int, int]]] = []  # per range: (extent, lo, hi) file offsets
+    for off, n in ranges:
+        end = off + n
+        i = max(0, bisect.bisect_right(starts, off) - 1)
+        mine = []
+        while i < len(extents) and extents[i].offset < end:
+            e = extents[i]
+            lo, hi = max(off, e.offset), min(end, e.offset + e.length)
+            if hi > lo:
+                mine.append((e, lo, hi))
+            i += 1
+        pieces.append(mine)
+    order = [e.chunk_id for mine in pieces for e, _, _ in mine]
+    uses = Counter(order)
+    sizes = {e.chunk_id: e.chunk_off + e.length for mine in pieces for e, _, _ in mine}
+    futs: dict[bytes, CFuture] = {}
+    ahead = 0  # bytes of fetched-or-fetching chunks still to be used
+    nxt = 0
+
+    def pump(upto: int) -> None:
+        nonlocal nxt, ahead
+        while nxt < len(order) and (nxt < upto or ahead < window):
+            cid = order[nxt]
+            nxt += 1
+            if cid not in futs:
+                futs[cid] = vol.pool.submit(vol.fetch_chunk, cid)
+                ahead += sizes[cid]
+
+    try:
+        pos = 0
+        for (off, n), mine in zip(ranges, pieces, strict=True):
+            pos += len(mine)
+            pump(pos)
+            if len(mine) == 1 and mine[0][1] == off and mine[0][2] == off + n:
+                e, lo, hi = mine[0]
+                raw = futs[e.chunk_id].result()
+                out: bytes | memoryview = memoryview(raw)[
+                    e.chunk_off + lo - e.offset : e.chunk_off + hi - e.offset
+                ]
+            else:
+                buf = bytearray(n)  # holes (no extent) read as zeros
+                for e, lo, hi in mine:
+                    raw = futs[e.chunk_id].result()
+                    buf[lo - off : hi - off] = memoryview(raw)[
+                        e.chunk_off + lo - e.offset : e.chunk_off + hi - e.offset
+                    ]
+                out = buf
+            for e, _, _ in mine:
+                uses[e.chunk_id] -= 1
+                if uses[e.chunk_id] == 0:
+                    futs.pop(e.chunk_id)
+                    ahead -= sizes[e.chunk_id]
+            yield out
+    finally:
+        for f in futs.values():
+            f.cancel()
+
+
+# -- resume helpers --------------------------------------------------------------------------
+def latest_step(volume: str | os.PathLike, job: str, *, durable: bool = False) -> int | None:
+    """The newest published step of `job` (with durable=True: whose chunks are all on nodes)."""
+    meta = _volume(_spec(volume)).meta
+    return meta.latest_durable(job) if durable else meta.latest(job)
+
+
+def resume_path(volume: str | os.PathLike, job: str, *, durable: bool = False) -> str | None:
+    """The volume path to load from to resume `job`, or None when nothing was published."""
+    step = latest_step(volume, job, durable=durable)
+    if step is None:
+        return None
+    return _volume(_spec(volume)).meta.step_state(job, step)["path"]
