@@ -16,6 +16,8 @@ from fusefs.volume import Volume, VolumeSettings  # noqa: E402
 # One line per concern's fixture module (tests/fixtures/*.py).
 pytest_plugins: list[str] = [
     "tests.fixtures.seaweed",
+    "tests.fixtures.postgres",
+    "tests.fixtures.service",
 ]
 
 
