@@ -1,0 +1,335 @@
+"""`ckptfs mount` and `ckptfs umount`.
+
+`mount` returns (with --background) or reports readiness only once a stat
+through the mountpoint answers, so a script can use the mount on the next
+line. The daemon records its pid under the data directory, so `umount` can
+wait until it has published every open file and closed the volume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import hashlib
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from fusefs.defaults import data_dir, ensure_default_volume
+from fusefs.units import parse_size
+
+log = logging.getLogger("ckptfs.mount")
+
+CONTROL_FLUSH = "user.ckptfs.flush"
+READY_TIMEOUT = 60.0
+EXIT_TIMEOUT = 300.0
+
+
+class MountError(Exception):
+    """A mount/umount problem the user can fix (printed as one line)."""
+
+
+# -- mount table ---------------------------------------------------------------------
+def _unescape(field: str) -> str:
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mount_fstype(mountpoint: str) -> str | None:
+    """The filesystem type mounted exactly at mountpoint (last one wins), if any."""
+    found = None
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                parts = left.split()
+                if len(parts) >= 5 and _unescape(parts[4]) == mountpoint:
+                    found = right.split()[0] if right else "?"
+    except OSError:
+        return None
+    return found
+
+
+def mount_state(mountpoint: str) -> str:
+    """'none', 'mounted' or 'disconnected' (the daemon died; the kernel mount remains)."""
+    try:
+        os.stat(mountpoint)
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            return "disconnected"
+        if mount_fstype(mountpoint):
+            return "disconnected"
+        raise MountError(f"cannot access {mountpoint}: {e.strerror}") from None
+    return "mounted" if mount_fstype(mountpoint) else "none"
+
+
+def _pidfile(mountpoint: str) -> str:
+    h = hashlib.sha1(mountpoint.encode()).hexdigest()[:16]
+    return os.path.join(data_dir(), "run", f"mount-{h}.pid")
+
+
+def _read_pid(mountpoint: str) -> int | None:
+    try:
+        with open(_pidfile(mountpoint)) as f:
+            pid_s, _, mp = f.read().partition("\n")
+        return int(pid_s) if mp.strip() == mountpoint else None
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is as good as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# -- mount -----------------------------------------------------------------------------
+def _check_mountpoint(mp: str) -> None:
+    if not os.path.lexists(mp):
+        raise MountError(f"mountpoint {mp} does not exist")
+    state = mount_state(mp)
+    if state == "disconnected":
+        raise MountError(
+            f"{mp} is a disconnected mount (its daemon died): run `ckptfs umount {mp}` first"
+        )
+    if state == "mounted":
+        raise MountError(f"{mp} is already a mount point (busy)")
+    if not os.path.isdir(mp):
+        raise MountError(f"mountpoint {mp} is not a directory")
+
+
+def attach_tier(vol, staging: str | None, staging_size: int | None, durability: str | None):
+    """Put the host's write-behind tier (chunkstore.writeback) in front of the nodes."""
+    try:
+        writeback = importlib.import_module("chunkstore.writeback")
+    except ModuleNotFoundError as e:
+        if e.name != "chunkstore.writeback":
+            raise
+        if durability == "local" or staging:
+            log.warning("no write-behind tier in this build: durability is remote")
+        return None
+    opener = getattr(writeback, "attach", None)
+    if opener is None:
+        log.warning("chunkstore.writeback has no attach(): durability is remote")
+        return None
+    kw = {"durability": durability or "local"}
+    if staging:
+        kw["staging"] = staging
+    if staging_size:
+        kw["staging_size"] = staging_size
+    return opener(vol, **kw)
+
+
+def _serve(args: argparse.Namespace, spec: str, mp: str, on_ready) -> None:
+    from fusefs.mount import serve
+    from fusefs.volume import Volume
+
+    vol = Volume.open(spec)
+    try:
+        attach_tier(vol, args.staging, args.staging_size, args.durability)
+        pidfile = _pidfile(mp)
+        os.makedirs(os.path.dirname(pidfile), exist_ok=True)
+        with open(pidfile, "w") as f:
+            f.write(f"{os.getpid()}\n{mp}\n")
+        try:
+            serve(vol, mp, allow_other=args.allow_other, on_ready=on_ready)
+        finally:
+            try:
+                os.unlink(pidfile)
+            except OSError:
+                pass
+    finally:
+        vol.close()
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    mp = os.path.abspath(args.mountpoint)
+    _check_mountpoint(mp)
+    spec = args.volume or ensure_default_volume()
+    if not spec.startswith("ckptfs://"):
+        from fusefs.volume import VOLUME_FILE
+
+        if not os.path.exists(os.path.join(spec, VOLUME_FILE)):
+            raise MountError(f"no volume at {spec} (run `ckptfs format {spec}` first)")
+    if args.background:
+        return _background(args, spec, mp)
+
+    def ready() -> None:
+        print(
+            f"ckptfs: {spec} mounted at {mp} (Ctrl-C or `ckptfs umount {mp}` to unmount)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    _serve(args, spec, mp, ready)
+    return 0
+
+
+def _background(args: argparse.Namespace, spec: str, mp: str) -> int:
+    """Fork a daemon; return once it reports the mount answering (or its error)."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the daemon
+        os.close(rfd)
+        code = 1
+        try:
+            os.setsid()
+            _redirect(args.log)
+
+            def ready() -> None:
+                os.write(wfd, b"ok\n")
+
+            _serve(args, spec, mp, ready)
+            code = 0
+        except BaseException as e:  # reported to the parent, never a traceback on its tty
+            msg = str(e) or type(e).__name__
+            log.exception("mount failed")
+            try:
+                os.write(wfd, f"error: {msg}\n".encode())
+            except OSError:
+                pass
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    deadline = time.monotonic() + READY_TIMEOUT
+    buf = b""
+    import select
+
+    while time.monotonic() < deadline and not buf.endswith(b"\n"):
+        r, _, _ = select.select([rfd], [], [], 0.5)
+        if r:
+            chunk = os.read(rfd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+    os.close(rfd)
+    text = buf.decode(errors="replace").strip()
+    if text == "ok":
+        print(f"ckptfs: {spec} mounted at {mp} (daemon pid {pid})", file=sys.stderr)
+        return 0
+    if not text:
+        text = "the mount daemon exited or did not answer in time"
+    raise MountError(text.removeprefix("error: "))
+
+
+def _redirect(logfile: str | None) -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    out = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if logfile else null
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.StreamHandler):
+            h.setStream(sys.stderr)
+
+
+# -- umount ---------------------------------------------------------------------------
+def cmd_umount(args: argparse.Namespace) -> int:
+    mp = os.path.abspath(args.mountpoint)
+    state = mount_state(mp)
+    if state == "none":
+        raise MountError(f"{mp} is not mounted")
+    fstype = mount_fstype(mp) or ""
+    if state == "mounted" and not fstype.startswith("fuse"):
+        raise MountError(f"{mp} is a {fstype} mount, not ckptfs")
+    pid = _read_pid(mp)
+    if args.flush and state == "mounted":
+        try:
+            os.setxattr(mp, CONTROL_FLUSH, b"1")
+        except OSError as e:
+            raise MountError(f"flush of {mp} failed: {e.strerror}") from None
+    lazy = args.lazy or state == "disconnected"
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mp]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 and mount_fstype(mp):
+        err = res.stderr.strip()
+        if os.geteuid() == 0:  # fusermount3 may refuse a mount it does not know of
+            res2 = subprocess.run(
+                ["umount"] + (["-l"] if lazy else []) + [mp], capture_output=True, text=True
+            )
+            if res2.returncode == 0 or not mount_fstype(mp):
+                err = ""
+            else:
+                err = res2.stderr.strip() or err
+        if err:
+            if "busy" in err.lower():
+                raise MountError(
+                    f"{mp} is busy (files open or a process inside): close them, or use --lazy"
+                )
+            raise MountError(f"cannot unmount {mp}: {err}")
+    if pid is not None and state == "mounted":
+        deadline = time.monotonic() + EXIT_TIMEOUT
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(pid):
+            raise MountError(f"unmounted {mp}, but daemon {pid} is still finishing")
+    what = "cleaned up disconnected mount" if state == "disconnected" else "unmounted"
+    print(f"ckptfs: {what} {mp}", file=sys.stderr)
+    return 0
+
+
+# -- registration --------------------------------------------------------------------
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _run(fn):
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except MountError as e:
+            print(f"ckptfs: error: {e}", file=sys.stderr)
+            return 1
+
+    return wrapped
+
+
+def register(sub) -> None:
+    m = sub.add_parser(
+        "mount",
+        help="mount a volume (default: the embedded default volume)",
+        description="Mount VOLUME (a volume directory or ckptfs://HOST:PORT) at MOUNTPOINT. "
+        "Without VOLUME, the embedded default volume under the user's data directory.",
+    )
+    m.add_argument("volume", nargs="?", default=None, metavar="VOLUME")
+    m.add_argument("mountpoint", metavar="MOUNTPOINT")
+    m.add_argument("--staging", metavar="DIR", help="write-behind staging directory (local NVMe)")
+    m.add_argument("--staging-size", type=_size, metavar="SIZE", help="staging budget, e.g. 64GiB")
+    m.add_argument(
+        "--durability",
+        choices=["local", "remote"],
+        default=None,
+        help="acknowledge fsync once staged locally, or once on the object nodes",
+    )
+    m.add_argument("--background", "-b", action="store_true", help="daemonize once mounted")
+    m.add_argument("--allow-other", action="store_true", help="let other users in (modes apply)")
+    m.add_argument("--log", metavar="FILE", help="daemon log file (with --background)")
+    m.set_defaults(func=_run(cmd_mount))
+
+    u = sub.add_parser("umount", help="unmount (also cleans up a mount whose daemon died)")
+    u.add_argument("mountpoint", metavar="MOUNTPOINT")
+    u.add_argument("--flush", action="store_true", help="wait until staged data is on the nodes")
+    u.add_argument("--lazy", "-l", action="store_true", help="detach now even if busy")
+    u.set_defaults(func=_run(cmd_umount))

@@ -1,0 +1,552 @@
+"""Per-inode dirty data and the chunk read cache of one mount (trio side).
+
+A file open through the mount is its committed extent list plus, while it is
+written, chunk-size-aligned dirty blocks. Blocks are aligned to the volume's
+chunk size so a file rewritten in place cuts the same chunks as a sequential
+write of it, and unchanged blocks deduplicate.
+
+A dirty block only remembers which byte ranges were written ("spans"); the
+old content of its gaps is read when the block is sealed, so a sequential
+writer, or any writer that covers whole blocks, never reads anything back.
+A block is sealed (hashed, looked up, stored) as soon as it is complete, in
+a background task, so a long sequential write streams to the chunk store and
+memory stays bounded: `dirty_max` bytes of unsealed blocks (the oldest are
+sealed early when it is exceeded) plus `inflight_max` bytes being stored
+(writers wait above it). Flush/fsync/close seal what is left and commit the
+file's full extent list in one metadata call.
+
+Reads see committed extents, then blocks being stored, then dirty spans.
+Chunks are fetched in worker threads with single-flight (one fetch per chunk
+however many readers wait) and sequential readers get read-ahead of the
+following chunks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import trio
+
+from chunkstore.ids import chunk_id
+from fusefs.volume import Volume
+from metadata.engine import Attr, Extent, NewChunk
+
+log = logging.getLogger("ckptfs.mount")
+
+_ZEROS = bytes(1 << 20)
+
+
+class FileError(Exception):
+    """A data-path failure reported to the kernel as an errno."""
+
+    def __init__(self, err: int, message: str) -> None:
+        super().__init__(message)
+        self.errno = err
+
+
+# -- extent list arithmetic (pure; extents are sorted and disjoint) -----------------
+def splice(extents: list[Extent], start: int, end: int, new: list[Extent]) -> list[Extent]:
+    """A new list where [start, end) is replaced by `new` (which lies inside it)."""
+    out: list[Extent] = []
+    placed = False
+    for e in extents:
+        e_end = e.offset + e.length
+        if e_end <= start or e.offset >= end:
+            if e.offset >= end and not placed:
+                out.extend(new)
+                placed = True
+            out.append(e)
+            continue
+        if e.offset < start:
+            out.append(Extent(e.offset, start - e.offset, e.chunk_id, e.chunk_off))
+        if e_end > end:
+            if not placed:
+                out.extend(new)
+                placed = True
+            cut = end - e.offset
+            out.append(Extent(end, e_end - end, e.chunk_id, e.chunk_off + cut))
+    if not placed:
+        out.extend(new)
+    return out
+
+
+def clip(extents: list[Extent], size: int) -> list[Extent]:
+    """The extents cut at the file size (what a truncate keeps)."""
+    out = []
+    for e in extents:
+        if e.offset >= size:
+            break
+        if e.offset + e.length > size:
+            e = Extent(e.offset, size - e.offset, e.chunk_id, e.chunk_off)
+        out.append(e)
+    return out
+
+
+def overlapping(extents: list[Extent], starts: list[int], lo: int, hi: int) -> list[int]:
+    """Indexes of the extents that overlap [lo, hi)."""
+    i = max(0, bisect.bisect_right(starts, lo) - 1)
+    out = []
+    while i < len(extents) and extents[i].offset < hi:
+        e = extents[i]
+        if e.offset + e.length > lo:
+            out.append(i)
+        i += 1
+    return out
+
+
+# -- dirty blocks ------------------------------------------------------------------
+class DirtyBlock:
+    """Written bytes of one aligned block; `spans` are the written [s, e) ranges."""
+
+    __slots__ = ("ino", "index", "buf", "spans", "counted", "busy")
+
+    def __init__(self, ino: int, index: int) -> None:
+        self.ino = ino
+        self.index = index
+        self.buf = bytearray()  # grows on demand: a 4 KiB file costs 4 KiB, not a chunk
+        self.spans: list[list[int]] = []
+        self.counted = 0  # bytes of it in FileCache.dirty_bytes
+        self.busy = False  # being sealed
+
+    def write(self, off: int, data: bytes | memoryview) -> None:
+        end = off + len(data)
+        if len(self.buf) < end:
+            self.buf.extend(_zeros(end - len(self.buf)))
+        self.buf[off:end] = data
+        self._add_span(off, end)
+
+    def _add_span(self, s: int, e: int) -> None:
+        spans = self.spans
+        if spans and spans[-1][1] == s:  # the sequential case: extend the last span
+            spans[-1][1] = e
+            if len(spans) == 1 or spans[-2][1] < s:
+                return
+        merged: list[list[int]] = []
+        placed = False
+        for a, b in spans:
+            if b < s:
+                merged.append([a, b])
+            elif a > e:
+                if not placed:
+                    merged.append([s, e])
+                    placed = True
+                merged.append([a, b])
+            else:
+                s, e = min(a, s), max(b, e)
+        if not placed:
+            merged.append([s, e])
+        merged.sort()
+        self.spans = merged
+
+    def gaps(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        out, pos = [], lo
+        for a, b in self.spans:
+            if b <= pos:
+                continue
+            if a >= hi:
+                break
+            if a > pos:
+                out.append((pos, min(a, hi)))
+            pos = max(pos, b)
+        if pos < hi:
+            out.append((pos, hi))
+        return out
+
+    def fill(self, off: int, data: bytes) -> None:
+        """Write old content only where nothing newer was written."""
+        for s, e in self.gaps(off, off + len(data)):
+            self.write(s, data[s - off : e - off])
+
+    def covers(self, n: int) -> bool:
+        return bool(self.spans) and self.spans[0][0] == 0 and self.spans[0][1] >= n
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buf)
+
+
+def _zeros(n: int) -> bytes:
+    return _ZEROS[:n] if n <= len(_ZEROS) else bytes(n)
+
+
+@dataclass(eq=False)
+class FileState:
+    """What the mount holds for one open (or dirty) inode."""
+
+    ino: int
+    attr: Attr
+    size: int
+    extents: list[Extent]
+    blocks: dict[int, DirtyBlock] = field(default_factory=dict)
+    sealing: dict[int, bytes] = field(default_factory=dict)
+    new_chunks: dict[bytes, NewChunk] = field(default_factory=dict)
+    version: int = 0
+    committed: int = 0
+    error: Exception | None = None
+    opens: int = 0
+    mtime_ns: int = 0
+    read_end: int = -1
+    commit_lock: trio.Lock = field(default_factory=trio.Lock)
+    _starts: list[int] | None = None
+
+    @property
+    def dirty(self) -> bool:
+        return self.version != self.committed
+
+    def starts(self) -> list[int]:
+        if self._starts is None:
+            self._starts = [e.offset for e in self.extents]
+        return self._starts
+
+    def set_extents(self, extents: list[Extent]) -> None:
+        self.extents = extents
+        self._starts = None
+
+    def touch(self) -> None:
+        self.version += 1
+        self.mtime_ns = time.time_ns()
+
+
+class _Slot:
+    __slots__ = ("event", "data", "error", "nbytes")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.nbytes = 0
+
+
+class FileCache:
+    """Dirty state of every open inode, the write pipeline and the chunk read cache."""
+
+    def __init__(
+        self,
+        vol: Volume,
+        nursery: trio.Nursery,
+        *,
+        dirty_max: int = 128 * 2**20,
+        inflight_max: int = 96 * 2**20,
+        cache_max: int = 128 * 2**20,
+        readahead: int = 8,
+        workers: int = 6,
+    ) -> None:
+        self.vol = vol
+        self.nursery = nursery
+        self.block = vol.settings.chunk_size
+        self.dirty_max = dirty_max
+        self.inflight_max = inflight_max
+        self.cache_max = cache_max
+        self.readahead = readahead
+        self.store_limiter = trio.CapacityLimiter(workers)
+        self.fetch_limiter = trio.CapacityLimiter(workers)
+        self.meta_limiter = trio.CapacityLimiter(4)
+        self.states: dict[int, FileState] = {}
+        self.dirty_bytes = 0
+        self.inflight_bytes = 0
+        self._lru: OrderedDict[tuple[int, int], DirtyBlock] = OrderedDict()
+        self._chunks: OrderedDict[bytes, _Slot] = OrderedDict()
+        self._cached_bytes = 0
+        self._changed = trio.lowlevel.ParkingLot()
+
+    async def meta(self, fn, *args, **kw):
+        """Run a blocking metadata call in a worker thread."""
+        if kw:
+            return await trio.to_thread.run_sync(lambda: fn(*args, **kw), limiter=self.meta_limiter)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.meta_limiter)
+
+    # -- states --------------------------------------------------------------
+    async def open_state(self, attr: Attr) -> FileState:
+        st = self.states.get(attr.ino)
+        if st is None:
+            extents = await self.meta(self.vol.meta.get_extents, attr.ino) if attr.size else []
+            st = self.states.get(attr.ino)  # another open may have raced us here
+            if st is None:
+                st = FileState(attr.ino, attr, attr.size, clip(extents, attr.size))
+                self.states[attr.ino] = st
+        st.opens += 1
+        return st
+
+    def drop_if_idle(self, st: FileState) -> None:
+        if st.opens <= 0 and not st.dirty and not st.sealing and not st.blocks:
+            if self.states.get(st.ino) is st:
+                del self.states[st.ino]
+
+    def discard(self, st: FileState) -> None:
+        """Forget unflushed data (the file was unlinked and closed)."""
+        for idx, blk in list(st.blocks.items()):
+            self._forget_block(st, idx, blk)
+        st.committed = st.version
+        st.new_chunks.clear()
+
+    def _forget_block(self, st: FileState, idx: int, blk: DirtyBlock) -> None:
+        if st.blocks.get(idx) is blk:
+            del st.blocks[idx]
+        self._lru.pop((st.ino, idx), None)
+        self.dirty_bytes -= blk.counted
+        blk.counted = 0
+
+    # -- write path -------------------------------------------------------------
+    async def write(self, st: FileState, off: int, data: bytes) -> int:
+        if st.error is not None:
+            raise FileError(errno.EIO, f"earlier write error on inode {st.ino}: {st.error}")
+        bs = self.block
+        pos, n = 0, len(data)
+        mv = memoryview(data)
+        while pos < n:
+            at = off + pos
+            idx, boff = divmod(at, bs)
+            take = min(n - pos, bs - boff)
+            while idx in st.sealing:  # an overwrite of a block being stored: let it land
+                await self._changed.park()
+            blk = st.blocks.get(idx)
+            if blk is None:
+                blk = st.blocks[idx] = DirtyBlock(st.ino, idx)
+            before = blk.nbytes
+            blk.write(boff, mv[pos : pos + take])
+            blk.counted += blk.nbytes - before
+            self.dirty_bytes += blk.nbytes - before
+            if not blk.busy:
+                self._lru[(st.ino, idx)] = blk
+                self._lru.move_to_end((st.ino, idx))
+            pos += take
+            st.size = max(st.size, at + take)
+            st.touch()
+            if blk.covers(bs):
+                await self.seal(st, blk)
+        while self.dirty_bytes > self.dirty_max and self._lru:
+            (ino, _), old = self._lru.popitem(last=False)
+            ost = self.states.get(ino)
+            if ost is not None:
+                await self.seal(ost, old)
+        while self.inflight_bytes > self.inflight_max:
+            await self._changed.park()
+        return n
+
+    async def seal(self, st: FileState, blk: DirtyBlock) -> None:
+        """Complete the block from the old content and hand it to a store task."""
+        if blk.busy:
+            return
+        blk.busy = True
+        lo = blk.index * self.block
+        self._lru.pop((st.ino, blk.index), None)  # nobody else picks it while we fill
+        try:
+            for _ in range(16):  # racing writers only shrink the gaps; bounded anyway
+                length = min(self.block, st.size - lo)
+                gaps = blk.gaps(0, length)
+                if not gaps:
+                    break
+                snap = st.extents
+                for s, e in gaps:
+                    old = await self._read_extents(snap, None, lo + s, e - s)
+                    blk.fill(s, old)
+            else:
+                raise FileError(errno.EIO, f"block {blk.index} of inode {st.ino} kept changing")
+        except BaseException:
+            blk.busy = False
+            raise
+        if st.blocks.get(blk.index) is not blk:  # discarded meanwhile
+            return
+        length = min(self.block, st.size - lo)
+        self._forget_block(st, blk.index, blk)
+        if length <= 0:
+            return
+        data = bytes(blk.buf[:length])
+        if len(data) < length:
+            data += _zeros(length - len(data))
+        st.sealing[blk.index] = data
+        self.inflight_bytes += length
+        self.nursery.start_soon(self._store, st, blk.index, data)
+
+    async def _store(self, st: FileState, idx: int, data: bytes) -> None:
+        try:
+            cid, rec = await trio.to_thread.run_sync(
+                self._hash_and_store, data, limiter=self.store_limiter
+            )
+        except Exception as e:  # the writer learns it at flush/fsync/close
+            log.error("storing block %d of inode %d failed: %s", idx, st.ino, e)
+            st.error = e
+        else:
+            lo = idx * self.block
+            st.set_extents(splice(st.extents, lo, lo + len(data), [Extent(lo, len(data), cid, 0)]))
+            if rec is not None:
+                st.new_chunks[cid] = rec
+        finally:
+            st.sealing.pop(idx, None)
+            self.inflight_bytes -= len(data)
+            self._changed.unpark_all()
+
+    def _hash_and_store(self, data: bytes) -> tuple[bytes, NewChunk | None]:
+        """Worker thread: id, one "is it known?" query, and the store if it is not."""
+        cid = chunk_id(data, self.vol.seed)
+        if not self.vol.meta.missing_chunks([cid]):
+            return cid, None
+        return cid, self.vol.store_chunk(cid, data)
+
+    async def settle(self, st: FileState) -> None:
+        """Seal every dirty block of the file and wait until all are stored."""
+        for _ in range(8):
+            for blk in list(st.blocks.values()):
+                await self.seal(st, blk)
+            while st.sealing:
+                await self._changed.park()
+            if not st.blocks:
+                return
+
+    async def commit(self, st: FileState) -> None:
+        """Store and publish the file's current content (flush, fsync, close)."""
+        async with st.commit_lock:
+            await self.settle(st)
+            if st.error is not None:
+                raise FileError(errno.EIO, f"write error on inode {st.ino}: {st.error}")
+            if not st.dirty:
+                return
+            version, size = st.version, st.size
+            extents = clip(st.extents, size)
+            chunks = dict(st.new_chunks)
+            attr = await self.meta(
+                self.vol.meta.commit_file,
+                st.ino,
+                extents,
+                size,
+                list(chunks.values()),
+                mtime_ns=st.mtime_ns,
+            )
+            for cid in chunks:
+                st.new_chunks.pop(cid, None)
+            st.attr = attr
+            st.committed = version
+
+    async def shutdown(self) -> None:
+        """Unmount: publish every file still dirty (best effort, logged)."""
+        for st in list(self.states.values()):
+            if st.dirty and st.attr.nlink > 0:
+                try:
+                    await self.commit(st)
+                except Exception as e:
+                    log.error("inode %d: unflushed data lost at unmount: %s", st.ino, e)
+
+    # -- read path ------------------------------------------------------------
+    async def read(self, st: FileState, off: int, size: int) -> bytes:
+        size = max(0, min(size, st.size - off))
+        if size == 0:
+            return b""
+        end = off + size
+        # Snapshot newer data first, so a store landing while we fetch cannot hide it.
+        bs = self.block
+        layers: list[tuple[int, bytes]] = []
+        for idx in range(off // bs, (end - 1) // bs + 1):
+            if idx in st.sealing:
+                layers.append((idx * bs, st.sealing[idx]))
+        spans: list[tuple[int, bytes]] = []
+        for idx in range(off // bs, (end - 1) // bs + 1):
+            blk = st.blocks.get(idx)
+            if blk is None:
+                continue
+            lo = idx * bs
+            for a, b in blk.spans:
+                s, e = max(lo + a, off), min(lo + b, end)
+                if s < e:
+                    spans.append((s, bytes(blk.buf[s - lo : e - lo])))
+        sequential = off <= st.read_end <= end or off == 0
+        st.read_end = end
+        data = await self._read_extents(st.extents, st, off, size, readahead=sequential)
+        if not layers and not spans:
+            return data
+        out = bytearray(data)
+        for lo, buf in layers:
+            s, e = max(lo, off), min(lo + len(buf), end)
+            if s < e:
+                out[s - off : e - off] = buf[s - lo : e - lo]
+        for s, buf in spans:
+            out[s - off : s - off + len(buf)] = buf
+        return bytes(out)
+
+    async def _read_extents(
+        self,
+        extents: list[Extent],
+        st: FileState | None,
+        off: int,
+        size: int,
+        *,
+        readahead: bool = False,
+    ) -> bytes:
+        """Bytes [off, off+size) of an extent list; holes read as zeros."""
+        end = off + size
+        starts = (
+            st.starts() if st is not None and st.extents is extents else [e.offset for e in extents]
+        )
+        idx = overlapping(extents, starts, off, end)
+        if readahead and idx:
+            self._prefetch(extents[idx[-1] + 1 : idx[-1] + 1 + self.readahead])
+        if len(idx) == 1:
+            e = extents[idx[0]]
+            if e.offset <= off and e.offset + e.length >= end:
+                raw = await self.chunk(e.chunk_id)
+                s = e.chunk_off + off - e.offset
+                return raw[s : s + size]
+        slots = [(extents[i], self._slot(extents[i].chunk_id)) for i in idx]
+        out = bytearray(size)
+        for e, slot in slots:
+            raw = await self._wait(e.chunk_id, slot)
+            s = max(off, e.offset)
+            t = min(end, e.offset + e.length)
+            out[s - off : t - off] = raw[e.chunk_off + s - e.offset : e.chunk_off + t - e.offset]
+        return bytes(out)
+
+    def _prefetch(self, extents: list[Extent]) -> None:
+        for e in extents:
+            if e.chunk_id not in self._chunks:
+                self._slot(e.chunk_id)
+
+    def _slot(self, cid: bytes) -> _Slot:
+        slot = self._chunks.get(cid)
+        if slot is not None:
+            self._chunks.move_to_end(cid)
+            return slot
+        self._evict(self.cache_max - self.block)
+        slot = self._chunks[cid] = _Slot()
+        self.nursery.start_soon(self._fetch, cid, slot)
+        return slot
+
+    async def _fetch(self, cid: bytes, slot: _Slot) -> None:
+        try:
+            slot.data = await trio.to_thread.run_sync(
+                self.vol.fetch_chunk, cid, limiter=self.fetch_limiter
+            )
+            slot.nbytes = len(slot.data)
+            self._cached_bytes += slot.nbytes
+        except Exception as e:
+            log.error("chunk %s unreadable: %s", cid.hex(), e)
+            slot.error = e
+            if self._chunks.get(cid) is slot:
+                del self._chunks[cid]  # the next reader tries again
+        finally:
+            slot.event.set()
+        self._evict(self.cache_max)
+
+    def _evict(self, limit: int) -> None:
+        """Drop the least recently used fetched chunks (never in-flight ones)."""
+        if self._cached_bytes <= limit:
+            return
+        for cid, slot in list(self._chunks.items()):
+            if self._cached_bytes <= limit:
+                return
+            if slot.event.is_set():
+                del self._chunks[cid]
+                self._cached_bytes -= slot.nbytes
+
+    async def _wait(self, cid: bytes, slot: _Slot) -> bytes:
+        await slot.event.wait()
+        if slot.error is not None:
+            raise FileError(errno.EIO, f"chunk {cid.hex()} unreadable: {slot.error}")
+        assert slot.data is not None
+        return slot.data
+
+    async def chunk(self, cid: bytes) -> bytes:
+        return await self._wait(cid, self._slot(cid))

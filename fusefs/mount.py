@@ -1,0 +1,570 @@
+"""The FUSE filesystem: pyfuse3 Operations over a Volume, on trio.
+
+Namespace requests become one metadata call each, run in a worker thread
+(nothing blocks the trio loop); file data goes through fusefs.filecache.
+A file's new content becomes visible to other mounts when it is closed or
+fsync'd, in one commit (close-to-open consistency). Every handler maps
+errors to an errno: MetaError and FileError carry one, anything unexpected
+is logged and answered with EIO, so bad input never takes the daemon down.
+
+Kernel caching: entries and attributes are cached for a second; a file's
+page cache is kept across opens while its content generation (bumped by each
+extent commit) is the one whose pages the kernel holds, and dropped, with
+its cached attributes, when another writer changed it.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from chunkstore.store import ChunkStoreError
+from fusefs.filecache import FileCache, FileError, FileState
+from fusefs.volume import Volume
+from metadata.engine import DURABLE, NAME_MAX, Attr, MetaError
+
+log = logging.getLogger("ckptfs.mount")
+
+ENTRY_TIMEOUT = 1.0
+ATTR_TIMEOUT = 1.0
+BLKSIZE = 1 << 20  # st_blksize: stdio, cp and dd pick their buffer size from it
+CONTROL_FLUSH = b"user.ckptfs.flush"  # setxattr on the root: drain the write-behind tier
+INFO_PREFIX = b"user.ckptfs."
+INFO_NAMES = (b"chunks", b"stored_bytes", b"dedup", b"durability")
+
+
+def handler(fn: Callable) -> Callable:
+    """Errors become errnos; the daemon never dies of a request."""
+
+    @functools.wraps(fn)
+    async def wrapped(*args, **kw):
+        try:
+            return await fn(*args, **kw)
+        except pyfuse3.FUSEError:
+            raise
+        except (MetaError, FileError) as e:
+            raise pyfuse3.FUSEError(e.errno) from None
+        except ChunkStoreError as e:
+            log.error("%s: %s", fn.__name__, e)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+        except OSError as e:
+            log.error("%s: %s", fn.__name__, e)
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except (trio.Cancelled, KeyboardInterrupt):
+            raise
+        except Exception:
+            log.exception("%s failed", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapped
+
+
+@dataclass
+class Handle:
+    st: FileState
+    flags: int
+
+
+class CkptFS(pyfuse3.Operations):
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, vol: Volume, mountpoint: str) -> None:
+        super().__init__()
+        self.vol = vol
+        self.mountpoint = mountpoint
+        self.cache: FileCache | None = None
+        self.handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self.orphans: set[int] = set()
+        self.page_gen: dict[int, int] = {}  # generation whose pages the kernel may hold
+        self._statfs: tuple[float, tuple[int, int]] | None = None
+        self.requests = 0
+
+    # -- plumbing ------------------------------------------------------------------
+    async def run(self, on_ready: Callable[[], None] | None = None) -> None:
+        """Serve until unmounted or signalled; then publish what is still dirty."""
+        async with trio.open_nursery() as bg:
+            self.cache = FileCache(self.vol, bg)
+            async with trio.open_nursery() as n:
+                n.start_soon(self._signals)
+                n.start_soon(self._probe, on_ready)
+                await pyfuse3.main(min_tasks=4, max_tasks=64)
+                n.cancel_scope.cancel()
+            await self.cache.shutdown()
+            bg.cancel_scope.cancel()
+
+    async def _signals(self) -> None:
+        import signal
+
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+            async for sig in sigs:
+                log.info("signal %d: unmounting", sig)
+                pyfuse3.terminate()
+                return
+
+    async def _probe(self, on_ready: Callable[[], None] | None) -> None:
+        """The mount answers once a stat through it returns (the kernel sent INIT)."""
+        await trio.to_thread.run_sync(os.stat, self.mountpoint)
+        _tune_readahead(self.mountpoint)
+        if on_ready is not None:
+            on_ready()
+
+    async def meta(self, fn, *args, **kw):
+        assert self.cache is not None
+        return await self.cache.meta(fn, *args, **kw)
+
+    def _view(self, a: Attr) -> Attr:
+        """The engine's attributes, with the size and mtime of unflushed writes."""
+        st = self.cache.states.get(a.ino) if self.cache else None
+        if st is None or not st.dirty:
+            return a
+        v = Attr(**a.__dict__)
+        v.size, v.mtime_ns = st.size, st.mtime_ns
+        return v
+
+    def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
+        a = self._view(a)
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = a.ino
+        e.generation = 0
+        e.entry_timeout = ENTRY_TIMEOUT
+        e.attr_timeout = ATTR_TIMEOUT
+        e.st_mode = a.mode
+        e.st_nlink = a.nlink
+        e.st_uid = a.uid
+        e.st_gid = a.gid
+        e.st_rdev = a.rdev
+        e.st_size = a.size
+        e.st_blksize = BLKSIZE
+        e.st_blocks = (a.size + 511) // 512
+        e.st_atime_ns = a.atime_ns
+        e.st_mtime_ns = a.mtime_ns
+        e.st_ctime_ns = a.ctime_ns
+        return e
+
+    def _owner(self, parent: Attr, ctx: pyfuse3.RequestContext, mode: int) -> tuple[int, int, int]:
+        """uid, gid and mode of a new inode (BSD group semantics under a setgid dir)."""
+        gid = ctx.gid
+        if parent.mode & stat.S_ISGID:
+            gid = parent.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        return ctx.uid, gid, mode
+
+    # -- namespace -------------------------------------------------------------
+    @handler
+    async def lookup(self, parent_inode, name, ctx=None):
+        if name == b".":
+            return self._entry(await self.meta(self.vol.meta.getattr, parent_inode))
+        if len(name) > NAME_MAX:
+            raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
+        return self._entry(await self.meta(self.vol.meta.lookup, parent_inode, name))
+
+    @handler
+    async def getattr(self, inode, ctx=None):
+        return self._entry(await self.meta(self.vol.meta.getattr, inode))
+
+    @handler
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        cur = await self.meta(self.vol.meta.getattr, inode)
+        kw: dict = {}
+        if fields.update_mode:
+            if ctx.uid not in (0, cur.uid) and (attr.st_mode & 0o7777) != (
+                cur.mode & 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
+            ):
+                raise pyfuse3.FUSEError(errno.EPERM)
+            kw["mode"] = attr.st_mode
+        if fields.update_uid and attr.st_uid != cur.uid:
+            if ctx.uid != 0:
+                raise pyfuse3.FUSEError(errno.EPERM)
+            kw["uid"] = attr.st_uid
+        if fields.update_gid and attr.st_gid != cur.gid:
+            if ctx.uid != 0 and (ctx.uid != cur.uid or attr.st_gid not in _groups(ctx)):
+                raise pyfuse3.FUSEError(errno.EPERM)
+            kw["gid"] = attr.st_gid
+        if fields.update_atime:
+            kw["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            kw["mtime_ns"] = attr.st_mtime_ns
+        st = self.cache.states.get(inode)
+        if fields.update_size:
+            if not cur.is_reg:
+                raise pyfuse3.FUSEError(errno.EISDIR if cur.is_dir else errno.EINVAL)
+            kw["size"] = attr.st_size
+        if st is not None and (fields.update_size or fields.update_mtime):
+            await self.cache.commit(st)  # unflushed writes land first, then the change
+        new = await self.meta(lambda: self.vol.meta.setattr(inode, **kw))
+        if st is not None:
+            if fields.update_size:
+                st.size = new.size
+                st.set_extents(_clip(st.extents, new.size))
+            st.attr = new
+        if fields.update_size:
+            self.page_gen[inode] = new.generation
+        return self._entry(new)
+
+    @handler
+    async def readlink(self, inode, ctx):
+        return await self.meta(self.vol.meta.readlink, inode)
+
+    @handler
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        parent = await self.meta(self.vol.meta.getattr, parent_inode)
+        uid, gid, mode = self._owner(parent, ctx, mode)
+        return self._entry(
+            await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid)
+        )
+
+    @handler
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        parent = await self.meta(self.vol.meta.getattr, parent_inode)
+        uid, gid, mode = self._owner(parent, ctx, stat.S_IFDIR | (mode & 0o7777))
+        return self._entry(
+            await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid)
+        )
+
+    @handler
+    async def symlink(self, parent_inode, name, target, ctx):
+        parent = await self.meta(self.vol.meta.getattr, parent_inode)
+        uid, gid, mode = self._owner(parent, ctx, stat.S_IFLNK | 0o777)
+        a = await self.meta(
+            lambda: self.vol.meta.create(parent_inode, name, mode, uid, gid, target=target)
+        )
+        return self._entry(a)
+
+    @handler
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return self._entry(await self.meta(self.vol.meta.link, inode, new_parent_inode, new_name))
+
+    @handler
+    async def unlink(self, parent_inode, name, ctx):
+        after = await self.meta(self.vol.meta.unlink, parent_inode, name)
+        await self._maybe_orphan(after)
+
+    @handler
+    async def rmdir(self, parent_inode, name, ctx):
+        await self.meta(self.vol.meta.rmdir, parent_inode, name)
+
+    @handler
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        replaced = await self.meta(
+            self.vol.meta.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags
+        )
+        if replaced is not None:
+            await self._maybe_orphan(replaced)
+
+    async def _maybe_orphan(self, a: Attr) -> None:
+        """An inode whose last name went: delete it now, or at its last close."""
+        st = self.cache.states.get(a.ino)
+        if st is not None:
+            st.attr.nlink = a.nlink
+        if a.nlink > 0:
+            return
+        if st is not None and st.opens > 0:
+            self.orphans.add(a.ino)
+            return
+        self.page_gen.pop(a.ino, None)
+        await self.meta(self.vol.meta.forget_orphan, a.ino)
+
+    async def forget(self, inode_list):
+        try:
+            for ino, _ in inode_list:
+                st = self.cache.states.get(ino)
+                if ino in self.orphans and (st is None or st.opens <= 0):
+                    self.orphans.discard(ino)
+                    await self.meta(self.vol.meta.forget_orphan, ino)
+        except Exception:  # forget has no reply: never let it escape
+            log.exception("forget failed")
+
+    # -- directories -------------------------------------------------------------
+    @handler
+    async def opendir(self, inode, ctx):
+        a = await self.meta(self.vol.meta.getattr, inode)
+        if not a.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        return inode
+
+    @handler
+    async def readdir(self, fh, start_id, token):
+        off = start_id
+        for _ in range(1 << 30):
+            batch = await self.meta(self.vol.meta.readdir, fh, off, 512)
+            if not batch:
+                return
+            for e in batch:
+                if not pyfuse3.readdir_reply(token, e.name, self._entry(e.attr), e.next_offset):
+                    return
+            off = batch[-1].next_offset
+
+    async def releasedir(self, fh):
+        pass
+
+    async def fsyncdir(self, fh, datasync):
+        pass
+
+    @handler
+    async def statfs(self, ctx):
+        total, free = await self._capacity()
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = BLKSIZE
+        s.f_frsize = 4096
+        s.f_blocks = total // s.f_frsize
+        s.f_bfree = free // s.f_frsize
+        s.f_bavail = s.f_bfree
+        st = await self.meta(self.vol.meta.stats)
+        s.f_files = st.inodes + (1 << 32)
+        s.f_ffree = 1 << 32
+        s.f_favail = s.f_ffree
+        s.f_namemax = NAME_MAX
+        return s
+
+    async def _capacity(self) -> tuple[int, int]:
+        """Usable bytes: distinct backing filesystems counted once, divided by R."""
+        now = time.monotonic()
+        if self._statfs is not None and now - self._statfs[0] < 2.0:
+            return self._statfs[1]
+
+        def probe() -> tuple[int, int]:
+            seen: dict[int, int] = {}
+            for n in self.vol.store.nodes:
+                t, f = n.capacity()
+                if t:
+                    seen[t] = max(seen.get(t, 0), f)
+            r = max(1, self.vol.settings.replicas)
+            return sum(seen) // r, sum(seen.values()) // r
+
+        cap = await trio.to_thread.run_sync(probe)
+        self._statfs = (now, cap)
+        return cap
+
+    # -- files ---------------------------------------------------------------------
+    def _new_fh(self, st: FileState, flags: int) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = Handle(st, flags)
+        return fh
+
+    @handler
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        parent = await self.meta(self.vol.meta.getattr, parent_inode)
+        uid, gid, mode = self._owner(parent, ctx, stat.S_IFREG | (mode & 0o7777))
+        a = await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid)
+        st = await self.cache.open_state(a)
+        self.page_gen[a.ino] = a.generation
+        fi = pyfuse3.FileInfo(fh=self._new_fh(st, flags))
+        fi.keep_cache = True
+        return fi, self._entry(a)
+
+    @handler
+    async def open(self, inode, flags, ctx):
+        st = self.cache.states.get(inode)
+        if st is None:
+            a = await self.meta(self.vol.meta.getattr, inode)
+            if a.is_dir:
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            if not a.is_reg:
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            if flags & os.O_TRUNC and a.size:
+                a = await self.meta(lambda: self.vol.meta.setattr(inode, size=0))
+            keep = self.page_gen.get(inode) == a.generation
+            if not keep and inode in self.page_gen:
+                await trio.to_thread.run_sync(_invalidate_attr, inode)
+            st = await self.cache.open_state(a)
+        else:
+            st.opens += 1
+            try:
+                if flags & os.O_TRUNC and st.size:
+                    await self._truncate(st, 0)
+            except BaseException:
+                st.opens -= 1
+                raise
+            keep = True  # our own open copy: the kernel's pages are ours
+        self.page_gen[inode] = st.attr.generation
+        fi = pyfuse3.FileInfo(fh=self._new_fh(st, flags))
+        fi.keep_cache = keep
+        return fi
+
+    async def _truncate(self, st: FileState, size: int) -> None:
+        await self.cache.commit(st)
+        new = await self.meta(lambda: self.vol.meta.setattr(st.ino, size=size))
+        st.size = new.size
+        st.set_extents(_clip(st.extents, size))
+        st.attr = new
+
+    @handler
+    async def read(self, fh, off, size):
+        return await self.cache.read(self.handles[fh].st, off, size)
+
+    @handler
+    async def write(self, fh, off, buf):
+        h = self.handles[fh]
+        return await self.cache.write(h.st, off, buf)
+
+    async def _commit(self, st: FileState) -> None:
+        if st.attr.nlink <= 0 and st.ino in self.orphans:
+            return  # nobody can open it again: its data need not be published
+        await self.cache.commit(st)
+        self.page_gen[st.ino] = st.attr.generation
+
+    @handler
+    async def flush(self, fh):
+        await self._commit(self.handles[fh].st)
+
+    @handler
+    async def fsync(self, fh, datasync):
+        await self._commit(self.handles[fh].st)
+
+    @handler
+    async def release(self, fh):
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        st = h.st
+        try:
+            if st.dirty:
+                await self._commit(st)
+        finally:
+            st.opens -= 1
+            if st.opens <= 0:
+                if st.ino in self.orphans:
+                    self.orphans.discard(st.ino)
+                    self.cache.discard(st)
+                    self.page_gen.pop(st.ino, None)
+                    await self.meta(self.vol.meta.forget_orphan, st.ino)
+                self.cache.drop_if_idle(st)
+
+    # -- extended attributes --------------------------------------------------------
+    @handler
+    async def setxattr(self, inode, name, value, ctx):
+        if inode == pyfuse3.ROOT_INODE and name == CONTROL_FLUSH:
+            return await self._flush_tier()
+        if name.startswith(INFO_PREFIX):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        if not name.startswith((b"user.", b"trusted.")):
+            raise pyfuse3.FUSEError(errno.ENOTSUP)
+        await self.meta(self.vol.meta.set_xattr, inode, name, value)
+
+    @handler
+    async def getxattr(self, inode, name, ctx):
+        if name.startswith(INFO_PREFIX) and name[len(INFO_PREFIX) :] in INFO_NAMES:
+            return await self._info(inode, name[len(INFO_PREFIX) :])
+        if not name.startswith((b"user.", b"trusted.")):
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return await self.meta(self.vol.meta.get_xattr, inode, name)
+
+    @handler
+    async def listxattr(self, inode, ctx):
+        return await self.meta(self.vol.meta.list_xattr, inode)
+
+    @handler
+    async def removexattr(self, inode, name, ctx):
+        if name.startswith(INFO_PREFIX):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        await self.meta(self.vol.meta.remove_xattr, inode, name)
+
+    async def _info(self, inode: int, key: bytes) -> bytes:
+        """The read-only user.ckptfs.* attributes, computed from the committed extents."""
+        a = await self.meta(self.vol.meta.getattr, inode)
+        if not a.is_reg:
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        extents = await self.meta(self.vol.meta.get_extents, inode)
+        ids = list(dict.fromkeys(e.chunk_id for e in extents))
+        info = await self.meta(self.vol.meta.chunk_info, ids) if ids else {}
+        if key == b"chunks":
+            return str(len(ids)).encode()
+        if key == b"stored_bytes":
+            return str(sum(info[c][1] for c in ids if c in info)).encode()
+        if key == b"dedup":
+            # Share of the file's bytes whose chunk is also referenced elsewhere.
+            logical = sum(e.length for e in extents)
+            shared = sum(e.length for e in extents if info.get(e.chunk_id, (0, 0, 0, 0))[2] > 1)
+            return f"{shared / logical if logical else 0.0:.4f}".encode()
+        staged = sum(1 for c in ids if c in info and info[c][3] != DURABLE)
+        return b"durable" if not staged else f"staged {staged}/{len(ids)}".encode()
+
+    async def _flush_tier(self) -> None:
+        for st in list(self.cache.states.values()):
+            if st.dirty and st.attr.nlink > 0:
+                await self._commit(st)
+        tier = self.vol.tier
+        flush = getattr(tier, "flush", None)
+        if flush is not None:
+            await trio.to_thread.run_sync(flush)
+
+    async def access(self, inode, mode, ctx):
+        return True  # default_permissions: the kernel already checked
+
+
+def _clip(extents, size):
+    from fusefs.filecache import clip
+
+    return clip(extents, size)
+
+
+def _groups(ctx: pyfuse3.RequestContext) -> set[int]:
+    try:
+        return set(pyfuse3.get_sup_groups(ctx.pid)) | {ctx.gid}
+    except Exception:  # the process may be gone
+        return {ctx.gid}
+
+
+def _invalidate_attr(inode: int) -> None:
+    try:
+        pyfuse3.invalidate_inode(inode, attr_only=True)
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ENOSYS):
+            log.warning("invalidate inode %d: %s", inode, e)
+
+
+def _tune_readahead(mountpoint: str) -> None:
+    """Raise the kernel's read-ahead for this mount (root only; best effort).
+
+    The default 128 KiB turns a sequential read into many small FUSE requests;
+    4 MiB lets each request carry up to max_read bytes and keeps the daemon's
+    chunk prefetch busy.
+    """
+    try:
+        dev = os.stat(mountpoint).st_dev
+        path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+        with open(path, "w") as f:
+            f.write("4096")
+    except OSError as e:
+        log.debug("read-ahead not tuned: %s", e)
+
+
+def mount_options(*, allow_other: bool = False, fsname: str = "ckptfs") -> set[str]:
+    opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
+    opts |= {f"fsname={fsname}", "subtype=ckptfs", "noatime"}
+    if allow_other:
+        opts.add("allow_other")
+    return opts
+
+
+def serve(
+    vol: Volume,
+    mountpoint: str,
+    *,
+    allow_other: bool = False,
+    on_ready: Callable[[], None] | None = None,
+) -> None:
+    """Mount, serve until unmounted or SIGINT/SIGTERM, unmount. Blocks."""
+    mountpoint = os.path.abspath(mountpoint)
+    purged = vol.meta.purge_orphans()
+    if purged:
+        log.info("purged %d orphan inode(s) left by a crash", purged)
+    fs = CkptFS(vol, mountpoint)
+    pyfuse3.init(fs, mountpoint, mount_options(allow_other=allow_other))
+    try:
+        trio.run(fs.run, on_ready)
+    finally:
+        pyfuse3.close(unmount=True)
