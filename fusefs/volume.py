@@ -225,6 +225,43 @@ class Volume:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def attach_tier(
+        self,
+        staging_dir: str | None = None,
+        size: int | None = None,
+        durability: str = "local",
+        **kw,
+    ):
+        """Put the host write-behind tier (chunkstore.writeback) under this volume.
+
+        Uploaded chunks are marked durable in the metadata in batches; ids the metadata does
+        not know yet (file not committed) are handed back to the tier to retry."""
+        from chunkstore.writeback import WriteBehindTier, default_staging_dir
+
+        if self.tier is not None:
+            raise VolumeError("a write-behind tier is already attached")
+        meta = self.meta
+
+        def on_durable(ids: list[bytes]) -> list[bytes]:
+            known = meta.chunk_info(ids)
+            hit = [i for i in ids if i in known]
+            if hit:
+                meta.mark_durable(hit)
+            return [i for i in ids if i not in known]
+
+        try:
+            self.tier = WriteBehindTier(
+                self.store,
+                staging_dir or default_staging_dir(self.config["uuid"]),
+                size=size,
+                durability=durability,
+                on_durable=on_durable,
+                **kw,
+            )
+        except ValueError as e:
+            raise VolumeError(str(e)) from e
+        return self.tier
+
     # -- namespace by path ------------------------------------------------
     def resolve(self, path: str | bytes, *, follow: bool = True) -> Attr:
         attr = self.meta.getattr(ROOT_INO)

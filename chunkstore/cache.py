@@ -1,0 +1,166 @@
+"""The host read cache of the write-behind tier, with single-flight across processes.
+
+Cached chunk objects live in `STAGING/cache/<hex>` (already encoded, verified on every read,
+so a torn or corrupt file is dropped and refetched, never returned; hence no fsync). Entries
+are evicted oldest-mtime first (reads touch the mtime: an LRU that every process sharing the
+directory sees). Single-flight: a fetch holds an flock on one of `STRIPES` lock files picked
+by the chunk id, so N processes reading the same cold chunk fetch it from the nodes once; the
+others wait on the lock and then find it in the cache. Stripes (not one lock file per chunk)
+keep the lock directory bounded and avoid the unlink-while-locked race.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from chunkstore import codec
+from chunkstore.ids import chunk_id
+
+log = logging.getLogger("ckptfs.cache")
+
+STRIPES = 4096
+
+
+class ChunkCache:
+    def __init__(self, root: str, seed: int) -> None:
+        self.root = root
+        self.seed = seed
+        self.dir = os.path.join(root, "cache")
+        self.tmp = os.path.join(root, "tmp")
+        self.locks = os.path.join(root, "locks")
+        for d in (self.dir, self.tmp, self.locks):
+            os.makedirs(d, exist_ok=True)
+        self._flights: dict[bytes, Future[bytes]] = {}
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def path(self, cid: bytes) -> str:
+        return os.path.join(self.dir, cid.hex())
+
+    def read_verified(self, path: str, cid: bytes) -> bytes | None:
+        """Raw bytes of the object at `path` if it is there and good; a bad file is removed."""
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            raw = codec.decode(blob)
+            if chunk_id(raw, self.seed) != cid:
+                raise codec.ChunkFormatError("content does not match its chunk id")
+        except codec.ChunkFormatError as e:
+            log.warning("dropping bad cached chunk %s: %s", cid.hex(), e)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return None
+        return raw
+
+    def lookup(self, cid: bytes) -> bytes | None:
+        p = self.path(cid)
+        raw = self.read_verified(p, cid)
+        if raw is not None:
+            try:
+                os.utime(p)  # LRU touch
+            except OSError:
+                pass
+        return raw
+
+    def add(self, cid: bytes, blob: bytes) -> int:
+        """Cache an encoded object (temp + rename; no fsync: reads verify). Returns bytes added."""
+        tmp = os.path.join(self.tmp, f"c{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+            os.rename(tmp, self.path(cid))
+        except OSError as e:
+            log.warning("could not cache chunk %s: %s", cid.hex(), e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return 0
+        return len(blob)
+
+    def usage(self) -> int:
+        total = 0
+        with os.scandir(self.dir) as it:
+            for e in it:
+                try:
+                    total += e.stat().st_size
+                except FileNotFoundError:
+                    pass
+        return total
+
+    def evict(self, need: int) -> int:
+        """Delete least recently used entries until `need` bytes are freed; returns freed."""
+        if need <= 0:
+            return 0
+        entries = []
+        with os.scandir(self.dir) as it:
+            for e in it:
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((st.st_mtime, st.st_size, e.path))
+        entries.sort()
+        freed = 0
+        for _, size, p in entries:
+            if freed >= need:
+                break
+            try:
+                os.unlink(p)
+                freed += size
+            except FileNotFoundError:
+                pass
+        return freed
+
+    def single_flight(self, cid: bytes, fetch: Callable[[], bytes]) -> bytes:
+        """Run `fetch` for `cid` once per host at a time: threads share one future,
+        processes share a striped flock; whoever waited rechecks the cache first."""
+        with self._lock:
+            fut = self._flights.get(cid)
+            owner = fut is None
+            if owner:
+                fut = self._flights[cid] = Future()
+        if not owner:
+            return fut.result()
+        try:
+            raw = self._locked(cid, fetch)
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
+        else:
+            fut.set_result(raw)
+            return raw
+        finally:
+            with self._lock:
+                self._flights.pop(cid, None)
+
+    def _locked(self, cid: bytes, fetch: Callable[[], bytes]) -> bytes:
+        stripe = int.from_bytes(cid[:4], "little") % STRIPES
+        fd = os.open(os.path.join(self.locks, f"{stripe:03x}"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            t0 = time.monotonic()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            waited = time.monotonic() - t0
+            raw = self.lookup(cid)
+            if raw is not None:
+                self.hits += 1
+                if waited > 0.001:
+                    log.debug("chunk %s fetched by another reader", cid.hex())
+                return raw
+            self.misses += 1
+            return fetch()  # the fetcher caches the object before the lock is released
+        finally:
+            os.close(fd)  # releases the flock

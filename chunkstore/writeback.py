@@ -1,0 +1,942 @@
+"""The host write-behind tier: saves land on local NVMe, drain to the object nodes later.
+
+Layout of a staging directory (one per host and volume, shared by every process there)::
+
+    staged/<hex>        encoded chunk objects not yet known durable (never evicted)
+    cache/<hex>         uploaded or fetched objects: the LRU read cache (chunkstore.cache)
+    journal/<seg>.log   one append-only journal segment per process (P = staged, D = done)
+    status/<seg>.json   what `ckptfs status` shows about that process (rate, queue)
+    tmp/, locks/        writes in progress; single-flight lock stripes
+
+Why it is crash safe: a chunk is written to tmp/, fsync'd, renamed into staged/ and the
+directory fsync'd *before* its P record is appended to the journal and fsync'd, so the journal
+never names a missing or half-written file. A D record is written only after the chunk is on
+R nodes and marked durable in the metadata; only then does the file leave staged/. Concurrent
+writers share fsyncs (group commit): one fsync acknowledges every record written before it.
+
+Ownership: a process owns its segment while it holds an flock on it. A segment whose lock is
+free belongs to a dead process: any tier (at start, then every few seconds) adopts it by
+taking the lock, copying its pending records into its own segment, and unlinking it. So a
+kill -9 loses nothing acknowledged: the next tier to open the directory uploads the rest.
+
+Chunk states are the metadata's ints (STAGED, DURABLE) redefined here: chunkstore does not
+import metadata. The tier talks back through `on_durable(ids) -> ids the metadata does not
+know yet`; those (uploaded before their file was committed) are retried, so a commit that
+lands after the upload cannot leave a chunk marked staged forever.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import heapq
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import xxhash
+
+from chunkstore import codec
+from chunkstore.cache import ChunkCache
+from chunkstore.ids import chunk_id
+from chunkstore.node import NodeError
+from chunkstore.store import ChunkStore, ChunkStoreError
+
+log = logging.getLogger("ckptfs.writeback")
+
+STAGED, DURABLE = 0, 1  # == metadata.engine.STAGED / DURABLE
+DURABILITY = ("local", "remote")
+
+_REC = struct.Struct("<B3x16sQQ")  # kind, chunk id, stored size, time_ns
+_CRC = struct.Struct("<I")
+REC_SIZE = _REC.size + _CRC.size  # 40
+KIND_PENDING, KIND_DONE = ord("P"), ord("D")
+COMPACT_BYTES = 8 * 2**20  # rewrite a segment once it holds this many bytes of records
+
+
+def pack_record(kind: int, cid: bytes, size: int = 0, t_ns: int = 0) -> bytes:
+    body = _REC.pack(kind, cid, size, t_ns)
+    return body + _CRC.pack(xxhash.xxh32_intdigest(body))
+
+
+@dataclass
+class SegmentState:
+    pending: dict[bytes, tuple[int, int]]  # cid -> (size, staged time_ns)
+    done: dict[bytes, int]  # cid -> time_ns of its D record
+    records: int
+    torn: bool  # a partial or corrupt tail was ignored
+
+
+def parse_segment(data: bytes) -> SegmentState:
+    """Replay a segment: records up to the first torn or corrupt one (a crash mid-append)."""
+    pending: dict[bytes, tuple[int, int]] = {}
+    done: dict[bytes, int] = {}
+    n = 0
+    for off in range(0, len(data) - REC_SIZE + 1, REC_SIZE):
+        body = data[off : off + _REC.size]
+        (crc,) = _CRC.unpack_from(data, off + _REC.size)
+        if xxhash.xxh32_intdigest(body) != crc:
+            return SegmentState(pending, done, n, True)
+        kind, cid, size, t_ns = _REC.unpack(body)
+        if kind == KIND_PENDING:
+            pending[cid] = (size, t_ns)
+            done.pop(cid, None)
+        elif kind == KIND_DONE:
+            pending.pop(cid, None)
+            done[cid] = t_ns
+        else:
+            return SegmentState(pending, done, n, True)
+        n += 1
+    return SegmentState(pending, done, n, len(data) % REC_SIZE != 0)
+
+
+def read_segment(path: str) -> SegmentState:
+    with open(path, "rb") as f:
+        return parse_segment(f.read())
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class GroupSync:
+    """Group commit: `sync()` returns once an fsync that started after the call finished.
+
+    Concurrent callers share one fsync instead of queueing one each."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self._cond = threading.Condition()
+        self._requested = 0
+        self._synced = 0
+        self._running = False
+        self.fsyncs = 0
+
+    def sync(self) -> None:
+        with self._cond:
+            self._requested += 1
+            mine = self._requested
+            while self._synced < mine:
+                if self._running:
+                    self._cond.wait()
+                    continue
+                self._running = True
+                target = self._requested
+                self._cond.release()
+                try:
+                    self._fn()
+                    ok = True
+                finally:
+                    self._cond.acquire()
+                    self._running = False
+                    self._cond.notify_all()
+                if ok:
+                    self._synced = max(self._synced, target)
+                    self.fsyncs += 1
+
+
+class Segment:
+    """This process's journal segment: flock'd for its lifetime, appended with group fsync.
+
+    It tracks its own live (P without D) records, so compaction can rewrite exactly them
+    under the append lock without racing a concurrent writer."""
+
+    def __init__(self, journal_dir: str, name: str) -> None:
+        self.dir = journal_dir
+        self.name = name
+        self.path = os.path.join(journal_dir, name)
+        self.fd = self._open_locked(self.path)
+        fsync_dir(journal_dir)
+        self._lock = threading.Lock()
+        self._sync = GroupSync(lambda: os.fsync(self.fd))
+        self._old_fds: list[int] = []
+        self.live: dict[bytes, tuple[int, int]] = {}
+        self.size = 0
+
+    @staticmethod
+    def _open_locked(path: str) -> int:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+
+    @property
+    def fsyncs(self) -> int:
+        return self._sync.fsyncs
+
+    def _append(self, data: bytes) -> GroupSync:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        self.size += len(data)
+        return self._sync
+
+    def add_pending(self, items: list[tuple[bytes, int, int]]) -> None:
+        """Journal (cid, size, time_ns) as staged; returns once on disk."""
+        data = b"".join(pack_record(KIND_PENDING, c, s, t) for c, s, t in items)
+        with self._lock:
+            sync = self._append(data)
+            for c, s, t in items:
+                self.live[c] = (s, t)
+        sync.sync()
+
+    def add_done(self, ids: list[bytes]) -> None:
+        t_ns = time.time_ns()
+        data = b"".join(pack_record(KIND_DONE, c, 0, t_ns) for c in ids)
+        with self._lock:
+            sync = self._append(data)
+            for c in ids:
+                self.live.pop(c, None)
+        sync.sync()
+
+    def compact(self) -> None:
+        """Replace the segment by its live records, atomically and keeping ownership: the new
+        file is locked before it is renamed over the old one. Old fds stay open until close so
+        a writer still waiting on the old file's fsync is unaffected (its record is in the new
+        file, which is fsync'd here)."""
+        with self._lock:
+            data = b"".join(pack_record(KIND_PENDING, c, s, t) for c, (s, t) in self.live.items())
+            tmp = self.path + ".new"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+                os.rename(tmp, self.path)
+                fsync_dir(self.dir)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._old_fds.append(self.fd)
+            self.fd, self.size = fd, len(data)
+            self._sync = GroupSync(lambda: os.fsync(fd))
+
+    def close(self, *, remove: bool) -> None:
+        if remove:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        for fd in [*self._old_fds, self.fd]:
+            os.close(fd)
+
+
+def default_staging_dir(volume_uuid: str) -> str:
+    """`$XDG_CACHE_HOME/ckptfs/staging/<volume uuid>`: per host, per volume."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ckptfs", "staging", volume_uuid)
+
+
+def default_staging_size(path: str) -> int:
+    """10% of the free space where staging lives, between 256 MiB and 64 GiB."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "."
+    st = os.statvfs(probe)
+    return max(256 * 2**20, min(64 * 2**30, st.f_bavail * st.f_frsize // 10))
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    total += e.stat().st_size
+                except FileNotFoundError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return total
+
+
+class WriteBehindTier:
+    """Stage chunks on local disk (durability=local) or write through (remote); upload,
+    mark durable, cache and serve reads. Blocking and thread safe; close() joins its threads."""
+
+    def __init__(
+        self,
+        store: ChunkStore,
+        staging_dir: str,
+        *,
+        size: int | None = None,
+        durability: str = "local",
+        on_durable: Callable[[list[bytes]], list[bytes]] | None = None,
+        uploaders: int = 4,
+        keep_cache: bool = True,
+        stall_timeout: float = 120.0,
+        register_timeout: float = 3600.0,
+        mark_batch: int = 256,
+    ) -> None:
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be local or remote, not {durability!r}")
+        if size is not None and size <= 0:
+            raise ValueError(f"staging size must be positive, got {size}")
+        if uploaders < 1:
+            raise ValueError("the tier needs at least one uploader thread")
+        self.store = store
+        self.root = os.path.abspath(staging_dir)
+        self.durability = durability
+        self.on_durable = on_durable
+        self.keep_cache = keep_cache
+        self.stall_timeout = stall_timeout
+        self.register_timeout = register_timeout
+        self.mark_batch = mark_batch
+        self.staged_dir = os.path.join(self.root, "staged")
+        self.journal_dir = os.path.join(self.root, "journal")
+        self.status_dir = os.path.join(self.root, "status")
+        self.tmp_dir = os.path.join(self.root, "tmp")
+        for d in (self.staged_dir, self.journal_dir, self.status_dir, self.tmp_dir):
+            os.makedirs(d, exist_ok=True)
+        self.budget = size if size is not None else default_staging_size(self.root)
+        self.cache = ChunkCache(self.root, store.seed)
+        self._dirsync = GroupSync(lambda: fsync_dir(self.staged_dir))
+        name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.seg = Segment(self.journal_dir, name + ".log")
+        self.status_path = os.path.join(self.status_dir, name + ".json")
+
+        self._cond = threading.Condition()
+        self._pending: dict[bytes, tuple[int, int]] = {}  # journaled, not yet D
+        self._queue: list[tuple[int, int, bytes]] = []  # (staged ns, seq, cid): oldest first
+        self._seq = 0
+        self._uploading: set[bytes] = set()
+        self._to_mark: list[bytes] = []
+        self._unregistered: dict[bytes, float] = {}  # uploaded; metadata does not know it yet
+        self._staging: dict[bytes, threading.Event] = {}
+        self._own_staged = 0  # bytes of our pending files
+        self._reserved = 0  # reserved, not yet renamed into staged/
+        self._used = 0  # estimate: staged/ + cache/ of every process + reserved
+        self._last_freed = time.monotonic()
+        self._stop = threading.Event()
+        self.uploaded_chunks = 0
+        self.uploaded_bytes = 0
+        self.failures = 0
+        self.last_error = ""
+        self.lost = 0
+        self.waits = 0  # writers that had to wait for space
+        self._rate: deque[tuple[float, int]] = deque()
+        self._rescan()
+        self._clean_tmp()
+        self.adopt_orphans()
+        self._threads = [
+            threading.Thread(target=self._upload_loop, name=f"ckptfs-upload-{i}", daemon=True)
+            for i in range(uploaders)
+        ]
+        self._threads.append(
+            threading.Thread(target=self._housekeep, name="ckptfs-tier", daemon=True)
+        )
+        for t in self._threads:
+            t.start()
+        self._write_status()
+
+    # -- write path ---------------------------------------------------------------------------
+    def put(self, cid: bytes, blob: bytes) -> int:
+        """Store an encoded chunk; STAGED once fsync'd + journaled here, DURABLE once on R nodes."""
+        if self._stop.is_set():
+            raise RuntimeError("write-behind tier is closed")
+        if self.durability == "remote":
+            self.store.put_encoded(cid, blob)
+            self._cache_if_room(cid, blob)
+            return DURABLE
+        while True:
+            with self._cond:
+                if cid in self._pending:
+                    return STAGED
+                ev = self._staging.get(cid)
+                if ev is None:
+                    ev = self._staging[cid] = threading.Event()
+                    break
+            ev.wait()  # the same chunk is being staged by another thread: share its ack
+        try:
+            self._stage(cid, blob)
+        finally:
+            with self._cond:
+                self._staging.pop(cid, None)
+            ev.set()
+        return STAGED
+
+    def _stage(self, cid: bytes, blob: bytes) -> None:
+        n = len(blob)
+        self._reserve(n)
+        try:
+            tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(blob)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp)
+                raise
+            os.close(fd)
+            os.rename(tmp, os.path.join(self.staged_dir, cid.hex()))
+            self._dirsync.sync()  # the rename is durable before the journal names it
+            t_ns = time.time_ns()
+            self.seg.add_pending([(cid, n, t_ns)])
+        except OSError as e:
+            with self._cond:
+                self._reserved -= n
+                self._used -= n
+                self._cond.notify_all()
+            if e.errno == errno.ENOSPC:
+                log.error("staging %s: disk full writing chunk %s", self.root, cid.hex())
+            raise
+        with self._cond:
+            self._reserved -= n
+            self._own_staged += n
+            self._pending[cid] = (n, t_ns)
+            self._seq += 1
+            heapq.heappush(self._queue, (t_ns, self._seq, cid))
+            self._cond.notify_all()
+
+    def _reserve(self, n: int) -> None:
+        """Back-pressure: wait until staging has room; ENOSPC only if nothing frees space."""
+        start = time.monotonic()
+        waited = False
+        with self._cond:
+            while True:
+                if self._used + n <= self.budget:
+                    break
+                need = self._used + n - self.budget
+                self._cond.release()
+                try:
+                    freed = self.cache.evict(need)
+                finally:
+                    self._cond.acquire()
+                if freed:
+                    self._freed(freed)
+                if self._used + n <= self.budget:
+                    break
+                if self._own_staged == 0 and self._reserved == 0 and n > self.budget:
+                    break  # one oversized chunk at a time rather than never
+                now = time.monotonic()
+                if now - max(self._last_freed, start) > self.stall_timeout:
+                    msg = (
+                        f"staging {self.root} full ({self._used} of {self.budget} bytes) and "
+                        f"nothing drained for {self.stall_timeout:.0f}s (object nodes down?)"
+                    )
+                    log.error("ENOSPC: %s; last upload error: %s", msg, self.last_error or "-")
+                    raise OSError(errno.ENOSPC, msg)
+                if not waited:
+                    waited = True
+                    self.waits += 1
+                    log.info("staging %s full: writer waits for the uploader", self.root)
+                self._cond.wait(0.25)
+            self._used += n
+            self._reserved += n
+
+    def _freed(self, n: int) -> None:
+        self._used = max(0, self._used - n)
+        self._last_freed = time.monotonic()
+        self._cond.notify_all()
+
+    def _cache_if_room(self, cid: bytes, blob: bytes) -> None:
+        """Keep a copy for readers if the budget allows, evicting older cache entries."""
+        n = len(blob)
+        with self._cond:
+            if self._used + n > self.budget:
+                need = self._used + n - self.budget
+                self._cond.release()
+                try:
+                    freed = self.cache.evict(need)
+                finally:
+                    self._cond.acquire()
+                self._freed(freed)
+                if self._used + n > self.budget:
+                    return
+            self._used += n
+        added = self.cache.add(cid, blob)
+        if added < n:
+            with self._cond:
+                self._used -= n - added
+
+    # -- read path ----------------------------------------------------------------------------
+    def get(self, cid: bytes) -> bytes:
+        """Verified raw bytes: staged copy, else the host cache, else the nodes (once per host)."""
+        raw = self._read_staged(cid)
+        if raw is not None:
+            return raw
+        raw = self.cache.lookup(cid)
+        if raw is not None:
+            self.cache.hits += 1
+            return raw
+        return self.cache.single_flight(cid, lambda: self._fetch(cid))
+
+    def _read_staged(self, cid: bytes) -> bytes | None:
+        try:
+            with open(os.path.join(self.staged_dir, cid.hex()), "rb") as f:
+                blob = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            raw = codec.decode(blob)
+            if chunk_id(raw, self.store.seed) != cid:
+                raise codec.ChunkFormatError("content does not match its chunk id")
+        except codec.ChunkFormatError as e:
+            log.error("staged chunk %s is corrupt: %s", cid.hex(), e)
+            return None
+        return raw
+
+    def _fetch(self, cid: bytes) -> bytes:
+        """One node read for the common case (keeping the stored encoding for the cache);
+        any trouble falls back to the store's replica walk, which reports bad replicas."""
+        blob = None
+        try:
+            node = self.store.read_order(cid)[0]
+            got = node.get(cid)
+            raw = codec.decode(got)
+            if chunk_id(raw, self.store.seed) == cid:
+                blob = got
+        except (NodeError, codec.ChunkFormatError):
+            pass
+        if blob is None:
+            raw = self.store.get(cid)
+            blob = codec.encode(raw, "none")
+        self._cache_if_room(cid, blob)
+        return raw
+
+    # -- uploader -----------------------------------------------------------------------------
+    def _upload_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop.is_set():
+                    self._cond.wait()
+                if self._stop.is_set():
+                    return
+                _, _, cid = heapq.heappop(self._queue)
+                self._uploading.add(cid)
+            ok = False
+            try:
+                ok = self._upload_one(cid)
+            except Exception:  # a bug must not kill the uploader: retry the chunk later
+                log.exception("uploader: unexpected error on chunk %s", cid.hex())
+            with self._cond:
+                self._uploading.discard(cid)
+                if ok:
+                    self._to_mark.append(cid)
+                elif cid in self._pending:
+                    t_ns = self._pending[cid][1]
+                    self._seq += 1
+                    heapq.heappush(self._queue, (t_ns, self._seq, cid))
+                self._cond.notify_all()
+
+    def _upload_one(self, cid: bytes) -> bool:
+        """Upload with retries and backoff until it succeeds (True) or the tier stops."""
+        delay = 0.2
+        while not self._stop.is_set():
+            try:
+                with open(os.path.join(self.staged_dir, cid.hex()), "rb") as f:
+                    blob = f.read()
+            except FileNotFoundError:
+                # Only an uploader moves a file out of staged/, after it is durable: another
+                # process staged the same chunk and finished first.
+                return True
+            try:
+                t0 = time.monotonic()
+                self.store.put_encoded(cid, blob)
+            except (ChunkStoreError, NodeError) as e:
+                with self._cond:
+                    self.failures += 1
+                    self.last_error = str(e)[:300]
+                log.warning("upload of chunk %s failed (retry in %.1fs): %s", cid.hex(), delay, e)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            now = time.monotonic()
+            with self._cond:
+                self.uploaded_chunks += 1
+                self.uploaded_bytes += len(blob)
+                self._rate.append((now, len(blob)))
+            log.debug("uploaded %s (%d B) in %.3fs", cid.hex(), len(blob), now - t0)
+            return True
+        return False
+
+    def _mark(self, final: bool = False) -> None:
+        """Mark uploaded chunks durable in the metadata, journal D records, free staged/."""
+        with self._cond:
+            batch, self._to_mark = self._to_mark, []
+            now = time.monotonic()
+            retry = [
+                c
+                for c, t in self._unregistered.items()
+                if final or now - t > 1.0 or len(self._unregistered) > self.mark_batch
+            ]
+        if not batch and not retry:
+            return
+        ids = batch + retry
+        unknown: set[bytes] = set()
+        if self.on_durable is not None:
+            try:
+                for i in range(0, len(ids), self.mark_batch):
+                    unknown.update(self.on_durable(ids[i : i + self.mark_batch]) or [])
+            except Exception as e:
+                log.warning("could not mark %d chunks durable (will retry): %s", len(ids), e)
+                with self._cond:
+                    self._to_mark = batch + self._to_mark
+                    for c in retry:
+                        self._unregistered[c] = now
+                return
+        given_up = []
+        with self._cond:
+            for c in batch:
+                if c in unknown:
+                    self._unregistered[c] = now
+            for c in retry:
+                if c not in unknown:
+                    self._unregistered.pop(c, None)
+                elif now - self._unregistered.get(c, now) > self.register_timeout:
+                    given_up.append(c)  # its writer never committed (aborted): stop tracking
+                else:
+                    self._unregistered[c] = now
+            for c in given_up:
+                self._unregistered.pop(c, None)
+        if given_up:
+            log.warning("%d uploaded chunks were never committed; no longer tracked", len(given_up))
+        done = [c for c in ids if c not in unknown] + given_up
+        if not done:
+            return
+        self.seg.add_done(done)
+        freed = 0
+        for c in done:
+            src = os.path.join(self.staged_dir, c.hex())
+            try:
+                if self.keep_cache:
+                    os.rename(src, self.cache.path(c))
+                else:
+                    freed += os.stat(src).st_size
+                    os.unlink(src)
+            except FileNotFoundError:
+                pass
+        with self._cond:
+            for c in done:
+                ent = self._pending.pop(c, None)
+                if ent is not None:
+                    self._own_staged -= ent[0]
+            if freed:
+                self._freed(freed)
+            self._cond.notify_all()
+
+    # -- housekeeping -------------------------------------------------------------------------
+    def _housekeep(self) -> None:
+        last_status = last_adopt = 0.0
+        while not self._stop.wait(0.1):
+            try:
+                self._mark()
+                now = time.monotonic()
+                if now - last_status >= 1.0:
+                    last_status = now
+                    self._rescan()
+                    self._write_status()
+                    if self.seg.size > COMPACT_BYTES > 4 * REC_SIZE * len(self.seg.live):
+                        self.seg.compact()
+                if now - last_adopt >= 5.0:
+                    last_adopt = now
+                    self.adopt_orphans()
+            except Exception:  # keep housekeeping alive; the next pass retries
+                log.exception("write-behind housekeeping failed")
+
+    def _rescan(self) -> None:
+        """Resync the space estimate with the directory (other processes stage and evict too)."""
+        used = _dir_bytes(self.staged_dir) + self.cache.usage()
+        with self._cond:
+            new = used + self._reserved
+            if new < self._used:
+                self._freed(self._used - new)
+            self._used = new
+
+    def _clean_tmp(self) -> None:
+        """Remove temp files of dead writers (their chunks were never acknowledged)."""
+        now = time.time()
+        with os.scandir(self.tmp_dir) as it:
+            for e in it:
+                try:
+                    pid = int(e.name[1:].split(".")[0])
+                except ValueError:
+                    pid = -1
+                alive = pid > 0 and _pid_alive(pid)
+                try:
+                    if not alive or now - e.stat().st_mtime > 3600:
+                        os.unlink(e.path)
+                except OSError:
+                    pass
+
+    def adopt_orphans(self) -> int:
+        """Take over the segments of dead processes; returns the chunks adopted."""
+        adopted = 0
+        for name in sorted(os.listdir(self.journal_dir)):
+            if not name.endswith(".log") or name == self.seg.name:
+                continue
+            path = os.path.join(self.journal_dir, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its owner is alive
+                try:
+                    if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                        continue  # adopted or rewritten meanwhile
+                except FileNotFoundError:
+                    continue
+                with open(fd, "rb", closefd=False) as f:
+                    state = parse_segment(f.read())
+                adopted += self._adopt(name, path, state)
+            finally:
+                os.close(fd)
+        return adopted
+
+    def _adopt(self, name: str, path: str, state: SegmentState) -> int:
+        if state.torn:
+            log.info("journal %s: torn tail after %d records ignored", name, state.records)
+        carry = []
+        for cid, (size, t_ns) in sorted(state.pending.items(), key=lambda kv: kv[1][1]):
+            with self._cond:
+                if cid in self._pending:
+                    continue
+            try:
+                with open(os.path.join(self.staged_dir, cid.hex()), "rb") as f:
+                    codec.verify(f.read())
+            except FileNotFoundError:
+                continue  # uploaded by another process that staged it too
+            except codec.ChunkFormatError as e:
+                self.lost += 1
+                log.error(
+                    "journal %s: staged chunk %s is corrupt, cannot upload: %s", name, cid.hex(), e
+                )
+                continue
+            carry.append((cid, size, t_ns))
+        for cid, t_ns in state.done.items():  # D written, file not yet moved (crash between)
+            src = os.path.join(self.staged_dir, cid.hex())
+            try:
+                if os.stat(src).st_mtime_ns <= t_ns and cid not in self._pending:
+                    if self.keep_cache:
+                        os.rename(src, self.cache.path(cid))
+                    else:
+                        os.unlink(src)
+            except FileNotFoundError:
+                pass
+        if carry:
+            self.seg.add_pending(carry)
+        os.unlink(path)
+        fsync_dir(self.journal_dir)
+        try:
+            os.unlink(os.path.join(self.status_dir, name[: -len(".log")] + ".json"))
+        except FileNotFoundError:
+            pass
+        with self._cond:
+            for cid, size, t_ns in carry:
+                if cid in self._pending:
+                    continue
+                self._pending[cid] = (size, t_ns)
+                self._own_staged += size
+                self._seq += 1
+                heapq.heappush(self._queue, (t_ns, self._seq, cid))
+            self._cond.notify_all()
+        if carry or state.pending:
+            log.info("adopted journal %s: %d pending chunks to upload", name, len(carry))
+        return len(carry)
+
+    # -- visibility ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        now = time.monotonic()
+        with self._cond:
+            while self._rate and now - self._rate[0][0] > 10.0:
+                self._rate.popleft()
+            rate = sum(n for _, n in self._rate) / 10.0
+            oldest = min((t for _, t in self._pending.values()), default=None)
+            to_upload = len(self._queue) + len(self._uploading)
+            return {
+                "staging": self.root,
+                "segment": self.seg.name,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "durability": self.durability,
+                "budget_bytes": self.budget,
+                "used_bytes": self._used,
+                "pending_chunks": len(self._pending),
+                "pending_bytes": sum(s for s, _ in self._pending.values()),
+                "to_upload_chunks": to_upload,
+                "to_upload_bytes": sum(self._pending[c][0] for _, _, c in self._queue)
+                + sum(self._pending[c][0] for c in self._uploading if c in self._pending),
+                "awaiting_commit_chunks": len(self._unregistered),
+                "oldest_pending_ns": oldest,
+                "uploaded_chunks": self.uploaded_chunks,
+                "uploaded_bytes": self.uploaded_bytes,
+                "upload_rate_bps": rate,
+                "upload_failures": self.failures,
+                "last_error": self.last_error,
+                "writer_waits": self.waits,
+                "lost_chunks": self.lost,
+                "cache_hits": self.cache.hits,
+                "cache_misses": self.cache.misses,
+                "journal_fsyncs": self.seg.fsyncs,
+                "updated": time.time(),
+            }
+
+    def _write_status(self) -> None:
+        tmp = self.status_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.stats(), f)
+        os.rename(tmp, self.status_path)
+
+    def drained(self) -> bool:
+        with self._cond:
+            return not self._queue and not self._uploading and not self._to_mark
+
+    def flush(
+        self,
+        progress: Callable[[int, int], None] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Wait until every chunk staged so far is on R nodes and marked durable.
+
+        `progress(done_bytes, total_bytes)` is called as the drain advances. Chunks whose file
+        was never committed count as drained (they are on the nodes). TimeoutError on timeout."""
+        end = None if timeout is None else time.monotonic() + timeout
+        total = 0
+        last = -1
+        while True:
+            with self._cond:
+                left = sum(s for c, (s, _) in self._pending.items() if c not in self._unregistered)
+                busy = bool(self._queue or self._uploading or self._to_mark)
+            total = max(total, left)
+            if progress is not None and total - left != last:
+                last = total - left
+                progress(last, total)
+            if not busy and left == 0:
+                return
+            if end is not None and time.monotonic() > end:
+                raise TimeoutError(f"staging {self.root}: {left} bytes still not durable")
+            with self._cond:
+                self._cond.wait(0.1)
+
+    def close(self) -> None:
+        """Stop the threads (an upload in flight finishes), mark what was uploaded, keep the
+        rest journaled for the next tier to adopt."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+        try:
+            self._mark(final=True)
+        except Exception:
+            log.exception("final durable marking failed; the journal keeps those chunks")
+        with self._cond:
+            clean = not self._pending
+        if clean:
+            try:
+                os.unlink(self.status_path)
+            except FileNotFoundError:
+                pass
+        else:
+            self._write_status()
+            log.info(
+                "closing with %d chunks not yet durable; they stay journaled", len(self._pending)
+            )
+        self.seg.close(remove=clean)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def scan_staging(root: str) -> dict:
+    """Read-only view of a staging directory for `ckptfs status`: pending work from the
+    journals themselves (right even after a crash), rates from the live processes' status."""
+    journal = os.path.join(root, "journal")
+    segs = []
+    total_chunks = total_bytes = 0
+    oldest = None
+    rate = 0.0
+    if os.path.isdir(journal):
+        for name in sorted(os.listdir(journal)):
+            if not name.endswith(".log"):
+                continue
+            path = os.path.join(journal, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    live = False
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except BlockingIOError:
+                    live = True
+                with open(fd, "rb", closefd=False) as f:
+                    st = parse_segment(f.read())
+            finally:
+                os.close(fd)
+            info: dict = {}
+            try:
+                with open(os.path.join(root, "status", name[:-4] + ".json")) as f:
+                    info = json.load(f)
+            except (OSError, ValueError):
+                pass
+            nbytes = sum(s for s, _ in st.pending.values())
+            seg_oldest = min((t for _, t in st.pending.values()), default=None)
+            seg_rate = float(info.get("upload_rate_bps", 0.0)) if live else 0.0
+            segs.append(
+                {
+                    "segment": name,
+                    "live": live,
+                    "pid": info.get("pid"),
+                    "pending_chunks": len(st.pending),
+                    "pending_bytes": nbytes,
+                    "oldest_pending_ns": seg_oldest,
+                    "upload_rate_bps": seg_rate,
+                    "to_upload_chunks": info.get("to_upload_chunks") if live else len(st.pending),
+                    "last_error": info.get("last_error", "") if live else "",
+                    "torn_tail": st.torn,
+                }
+            )
+            total_chunks += len(st.pending)
+            total_bytes += nbytes
+            rate += seg_rate
+            if seg_oldest is not None and (oldest is None or seg_oldest < oldest):
+                oldest = seg_oldest
+    return {
+        "staging": root,
+        "host": socket.gethostname(),
+        "pending_chunks": total_chunks,
+        "pending_bytes": total_bytes,
+        "oldest_pending_age_s": None
+        if oldest is None
+        else max(0.0, (time.time_ns() - oldest) / 1e9),
+        "upload_rate_bps": rate,
+        "staged_bytes": _dir_bytes(os.path.join(root, "staged")),
+        "cache_bytes": _dir_bytes(os.path.join(root, "cache")),
+        "segments": segs,
+    }
+
+
+def _age(t_ns: int | None) -> float | None:
+    return None if t_ns is None else max(0.0, (time.time_ns() - t_ns) / 1e9)
