@@ -178,6 +178,12 @@ class CheckpointMixin:
             self._ckpt_ready = True
         return self._tx()
 
+    def _ckpt_read(self):
+        if not self._ckpt_ready:
+            with self._ckpt_tx():
+                pass
+        return self._read()
+
     def _ckpt_ddl(self) -> list[str]:
         return CKPT_SCHEMA
 
@@ -360,18 +366,26 @@ class CheckpointMixin:
                 new_bytes += raw_len
             file_rows.append((job, step, rank, path, ino))
             total += size
-        if chunk_rows:
+        # New chunks go in with their reference count; only known ones take an UPDATE.
+        absent = self._missing(c, sorted(set(refs) | set(chunk_rows)))
+        unknown = [cid for cid in absent if cid in refs and cid not in chunk_rows]
+        if unknown:
+            raise MetaError(
+                errno.EIO,
+                f"extents reference {len(unknown)} unknown chunk(s), e.g. {unknown[0].hex()}",
+            )
+        fresh = [(*chunk_rows[cid][:3], refs.get(cid, 0), *chunk_rows[cid][3:]) for cid in absent]
+        if fresh:
             c.executemany(
                 self._q(
                     "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched) "
-                    "VALUES (?,?,?,0,?,?) ON CONFLICT (id) DO NOTHING"
+                    "VALUES (?,?,?,?,?,?)"
                 ),
-                sorted(chunk_rows.values()),
+                sorted(fresh),
             )
-            durable = [(r[0],) for r in chunk_rows.values() if r[3] == DURABLE]
-            if durable:
-                c.executemany(self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), durable)
-        self._check_known(c, set(refs))
+        durable = [(cid,) for cid, r in chunk_rows.items() if r[3] == DURABLE and cid not in absent]
+        if durable:
+            c.executemany(self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), durable)
         if ext_rows:
             c.executemany(
                 self._q(
@@ -379,7 +393,7 @@ class CheckpointMixin:
                 ),
                 ext_rows,
             )
-        self._adjust_refs(c, dict(sorted(refs.items())))
+        self._adjust_refs(c, {cid: n for cid, n in sorted(refs.items()) if cid not in absent})
         if file_rows:
             c.executemany(
                 self._q("INSERT INTO ckpt_files (job, step, rank, path, ino) VALUES (?,?,?,?,?)"),
@@ -551,7 +565,7 @@ class CheckpointMixin:
     # -- queries ---------------------------------------------------------------
     def step_state(self, job: str, step: int) -> dict:
         _check_job(job)
-        with self._ckpt_tx() as c:
+        with self._ckpt_read() as c:
             return self._brief(c, job, step)
 
     def wait_published(self, job: str, step: int, timeout: float = 60.0) -> dict:
@@ -571,7 +585,7 @@ class CheckpointMixin:
 
     def latest(self, job: str) -> int | None:
         _check_job(job)
-        with self._ckpt_tx() as c:
+        with self._ckpt_read() as c:
             row = self._one(
                 c,
                 "SELECT MAX(step) FROM ckpt_steps WHERE job = ? AND state = ?",
@@ -582,7 +596,7 @@ class CheckpointMixin:
     def latest_durable(self, job: str) -> int | None:
         """The newest published step whose every chunk is on the object nodes."""
         _check_job(job)
-        with self._ckpt_tx() as c:
+        with self._ckpt_read() as c:
             steps = self._x(
                 c,
                 "SELECT step FROM ckpt_steps WHERE job = ? AND state = ? ORDER BY step DESC "
@@ -604,7 +618,7 @@ class CheckpointMixin:
     def manifest_parts(self, job: str, step: int) -> tuple[dict, dict[int, list[dict]]]:
         """A published step's header and its files grouped by rank (extents packed)."""
         _check_job(job)
-        with self._ckpt_tx() as c:
+        with self._ckpt_read() as c:
             head = self._brief(c, job, step)
             if head["state"] != "published":
                 raise MetaError(
@@ -647,7 +661,7 @@ class CheckpointMixin:
         return {**head, "files": files}
 
     def list_checkpoints(self, job: str | None = None) -> list[dict]:
-        with self._ckpt_tx() as c:
+        with self._ckpt_read() as c:
             where, args = ("WHERE s.job = ?", (job,)) if job is not None else ("", ())
             rows = self._x(
                 c,
@@ -677,7 +691,7 @@ class CheckpointMixin:
     def checkpoint_info(self, job: str, step: int) -> dict:
         """State, size, dedup, and the per-rank timeline with stragglers flagged."""
         _check_job(job)
-        with self._ckpt_tx() as c:
+        with self._ckpt_read() as c:
             state, world, _, path, deadline, reason, created, published = self._step(c, job, step)
             rows = self._x(
                 c,

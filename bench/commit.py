@@ -1,0 +1,191 @@
+"""Synchronized checkpoint commit from N ranks against a real `ckptfs meta serve`.
+
+N simulated ranks are spread over worker processes, each process with its
+own connection pipelining its ranks' requests. At one barrier every rank
+sends commit_rank (4 files x 16 extents, every extent a new chunk); then
+every rank fetches its manifest at once. Prints one JSON object per engine:
+
+  publish_ms          first commit sent -> step visible (wait_published)
+  p50_ms/p99_ms/max_ms per-rank commit latency (send -> answer)
+  manifest_fanout_ms  N ranks ask for the manifest at once -> all answered
+  baseline_rpc_ms     N pipelined no-op RPCs (`latest`) from the same workers:
+                      the protocol floor the ratios are taken against
+
+Usage: python -m bench.commit --ranks 4096 [--engine sqlite|postgres|both]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from metadata.checkpoints import CHK, EXT  # noqa: E402
+
+FILES, EXTENTS, EXT_LEN = 4, 16, 1 << 20
+
+
+def rank_files(rank: int) -> list[dict]:
+    files = []
+    for f in range(FILES):
+        ids = [os.urandom(16) for _ in range(EXTENTS)]
+        ext = b"".join(EXT.pack(i * EXT_LEN, EXT_LEN, 0, cid) for i, cid in enumerate(ids))
+        chk = b"".join(CHK.pack(cid, EXT_LEN, EXT_LEN // 2, 0) for cid in ids)
+        files.append(
+            {"path": f"rank-{rank:05d}/shard-{f}.distcp", "size": EXTENTS * EXT_LEN,
+             "extents": ext, "new_chunks": chk}
+        )  # fmt: skip
+    return files
+
+
+def _pipelined(client, calls: list[tuple]) -> tuple[float, float, list[float]]:
+    """Send every call at once; (first send, last answer, per-call latency)."""
+    lat = [0.0] * len(calls)
+    done = threading.Semaphore(0)
+    t0 = time.time()
+
+    def finish(i: int, sent: float):
+        def cb(_f) -> None:
+            lat[i] = time.time() - sent
+            done.release()
+
+        return cb
+
+    futs = []
+    for i, (method, args, kw) in enumerate(calls):
+        sent = time.time()
+        fut = client.submit(method, *args, **kw)
+        fut.add_done_callback(finish(i, sent))
+        futs.append(fut)
+    for _ in calls:
+        done.acquire()
+    t1 = time.time()
+    for f in futs:
+        f.result()  # surface errors
+    return t0, t1, lat
+
+
+def worker(url: str, job: str, step: int, ranks: list[int], barrier, out) -> None:
+    from metadata.client import connect
+
+    client = connect(url)
+    host = f"bench-{os.getpid()}"
+    payload = [("commit_rank", (job, step, r, rank_files(r)), {"host": host}) for r in ranks]
+    barrier.wait()
+    base = _pipelined(client, [("latest", (job,), {}) for _ in ranks])
+    barrier.wait()
+    commit = _pipelined(client, payload)
+    barrier.wait()
+    man = _pipelined(client, [("manifest", (job, step), {"rank": r}) for r in ranks])
+    client.close()
+    out.put({"base": base[:2], "commit": commit, "manifest": man[:2]})
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def run(engine: str, n: int, procs: int, tmp: str) -> dict:
+    from fusefs.volume import Volume
+    from metadata.client import connect
+    from tests.fixtures.postgres import PgCluster, pg_available
+    from tests.fixtures.service import MetaServer
+
+    cluster = None
+    db = None
+    if engine == "postgres":
+        reason = pg_available()
+        if reason:
+            return {"engine": engine, "skipped": reason}
+        cluster = PgCluster(fsync=True)
+        db = cluster.create_db()
+    vol_dir = os.path.join(tmp, f"vol-{engine}")
+    Volume.create(vol_dir, nodes=2, db=db).close()
+    server = MetaServer(vol_dir, db=db)
+    try:
+        job, step = "bench", 1
+        main = connect(server.url)
+        main.begin(job, step, n, deadline_s=600)
+        ctx = mp.get_context("spawn")
+        barrier = ctx.Barrier(procs + 1)
+        out = ctx.Queue()
+        ps = [
+            ctx.Process(target=worker, args=(server.url, job, step, list(range(i, n, procs)),
+                                              barrier, out))
+            for i in range(procs)
+        ]  # fmt: skip
+        for p in ps:
+            p.start()
+        barrier.wait()  # payloads built
+        barrier.wait()  # baseline done
+        published_at = [0.0]
+
+        def waiter() -> None:
+            main.wait_published(job, step, 600)
+            published_at[0] = time.time()
+
+        w = threading.Thread(target=waiter)
+        w.start()
+        barrier.wait()  # commits go
+        w.join()
+        res = [out.get(timeout=600) for _ in ps]
+        for p in ps:
+            p.join(timeout=60)
+        info = main.step_state(job, step)
+        main.close()
+    finally:
+        server.stop()
+        if cluster:
+            cluster.stop()
+    lat = [x for r in res for x in r["commit"][2]]
+    first = min(r["commit"][0] for r in res)
+    base_ms = (max(r["base"][1] for r in res) - min(r["base"][0] for r in res)) * 1e3
+    man_ms = (max(r["manifest"][1] for r in res) - min(r["manifest"][0] for r in res)) * 1e3
+    publish_ms = (published_at[0] - first) * 1e3
+    return {
+        "engine": engine,
+        "ranks": n,
+        "procs": procs,
+        "state": info["state"],
+        "publish_ms": round(publish_ms, 1),
+        "p50_ms": round(_pct(lat, 0.5) * 1e3, 1),
+        "p99_ms": round(_pct(lat, 0.99) * 1e3, 1),
+        "max_ms": round(max(lat) * 1e3, 1),
+        "manifest_fanout_ms": round(man_ms, 1),
+        "baseline_rpc_ms": round(base_ms, 1),
+        "publish_vs_baseline": round(publish_ms / base_ms, 2) if base_ms else None,
+        "manifest_vs_baseline": round(man_ms / base_ms, 2) if base_ms else None,
+        "extents": n * FILES * EXTENTS,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--procs", type=int, default=4, help="worker processes (connections)")
+    ap.add_argument("--engine", choices=["sqlite", "postgres", "both"], default="both")
+    args = ap.parse_args(argv)
+    engines = ["sqlite", "postgres"] if args.engine == "both" else [args.engine]
+    tmp = tempfile.mkdtemp(prefix="ckptfs-bench-commit-")
+    try:
+        results = {e: run(e, args.ranks, min(args.procs, args.ranks), tmp) for e in engines}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    targets = {4096: (500, 500), 16384: (2000, None)}.get(args.ranks)
+    print(json.dumps({"bench": "commit", "ranks": args.ranks, "targets_ms": targets, **results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
