@@ -40,6 +40,7 @@ MAX_CHUNK = 64 * 1024 * 1024
 
 _WINDOW = 32  # bytes that influence the 32-bit gear hash
 _BLOCK = 256 * 1024  # scan granularity: fits in L2, bounds wasted hashing past a cut
+_LAZY = 64 * 1024  # small feeds are only buffered until this much is left to scan
 
 
 class Chunker(Protocol):
@@ -168,7 +169,7 @@ class CdcChunker:
         gear = _gear_table(seed)
         self._g32 = np.array(gear, dtype=np.uint32)
         self._g8 = bytes(g & 0xFF for g in gear)  # translate table for the prefilter
-        self._shifts = np.arange(_WINDOW, dtype=np.uint32)  # k for term G[b[i-k]] << k
+        self._col_shift = np.arange(_WINDOW - 1, -1, -1, dtype=np.uint32)  # shift per window col
         self._buf = bytearray()  # bytes of the current chunk not yet emitted (starts at its start)
         self._scanned = 0  # next chunk-relative index whose cut condition is still unknown
 
@@ -209,9 +210,12 @@ class CdcChunker:
         if not len(cand):
             return -1
         idx = cand + lo
-        # full 32-bit gear hash at the survivors: sum_k G[b[i-k]] << k (mod 2**32)
-        win = arr[idx[:, None] - self._shifts[None, :].astype(np.intp)]
-        full = np.sum(self._g32[win] << self._shifts, axis=1, dtype=np.uint32)
+        # full 32-bit gear hash at the survivors: sum_k G[b[i-k]] << k (mod 2**32); row r of
+        # the window view holds bytes i-31..i, i.e. term k = 31 - column
+        win = np.lib.stride_tricks.sliding_window_view(arr, _WINDOW)[idx - (_WINDOW - 1)]
+        terms = self._g32.take(win, mode="clip")
+        terms <<= self._col_shift
+        full = np.add.reduce(terms, axis=1, dtype=np.uint32)
         mask = np.where(idx < avg_idx, self.mask_s, self.mask_l).astype(np.uint32)
         ok = np.flatnonzero((full & mask) == 0)
         return int(idx[ok[0]]) if len(ok) else -1
@@ -219,31 +223,61 @@ class CdcChunker:
     # -- Chunker API -----------------------------------------------------------------------------
 
     def feed(self, data: bytes | memoryview) -> list[bytes]:
-        if not len(data):
-            return []
-        self._buf += data
         out: list[bytes] = []
-        consumed = 0
-        arr = np.frombuffer(self._buf, dtype=np.uint8)
-        with memoryview(self._buf) as mv:
-            while True:
-                length = self._find_cut(arr[consumed:])
+        with memoryview(data) as mv_in:
+            mv = mv_in.cast("B") if mv_in.format != "B" or mv_in.ndim != 1 else mv_in
+            pos = 0
+            while self._buf:
+                # complete the pending chunk: copy at most max_size bytes into the buffer
+                take = min(len(mv) - pos, self.max_size - len(self._buf))
+                self._buf += mv[pos : pos + take]
+                pos += take
+                unscanned = len(self._buf) - max(self._scanned, self.min_size - 1)
+                if len(self._buf) < self.max_size and unscanned < _LAZY:
+                    return out  # small writes: defer the scan (it has a fixed numpy cost)
+                done = self._drain(out)
+                if not done:
+                    return out  # all of data is buffered, no boundary yet
+                rest = len(self._buf) - done
+                if rest <= take:  # the tail is all from data: re-read it from there, no copy
+                    pos -= rest
+                    self._buf = bytearray()
+                else:
+                    del self._buf[:done]
+            # then cut straight out of the caller's buffer (no staging copy), keep only the tail
+            arr = np.frombuffer(mv, dtype=np.uint8)
+            while pos < len(mv):
+                length = self._find_cut(arr[pos:])
                 if not length:
                     break
-                out.append(bytes(mv[consumed : consumed + length]))
-                consumed += length
-        del arr  # release the buffer export so the bytearray can shrink
-        if consumed:
-            del self._buf[:consumed]
+                out.append(bytes(mv[pos : pos + length]))
+                pos += length
+            del arr
+            if pos < len(mv):
+                self._buf = bytearray(mv[pos:])
         return out
 
+    def _drain(self, out: list[bytes]) -> int:
+        """Append every chunk that ends inside the buffer to ``out``; return bytes consumed."""
+        pos = 0
+        arr = np.frombuffer(self._buf, dtype=np.uint8)
+        with memoryview(self._buf) as mv:
+            while pos < len(mv) and (length := self._find_cut(arr[pos:])):
+                out.append(bytes(mv[pos : pos + length]))
+                pos += length
+        del arr  # release the export so the bytearray can be resized
+        return pos
+
     def cut(self) -> list[bytes]:
-        self._scanned = 0
-        if not self._buf:
-            return []
-        chunk = bytes(self._buf)
+        out: list[bytes] = []
+        if self._buf:
+            # a deferred scan may still hold content-defined boundaries: emit those first
+            done = self._drain(out)
+            if done < len(self._buf):
+                out.append(bytes(memoryview(self._buf)[done:]))
         self._buf = bytearray()
-        return [chunk]
+        self._scanned = 0
+        return out
 
     def finish(self) -> list[bytes]:
         return self.cut()
