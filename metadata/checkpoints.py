@@ -73,14 +73,23 @@ def pack_chunks(chunks: Iterable[NewChunk]) -> bytes:
 
 
 def pack_files(files: list[dict]) -> list[dict]:
-    """Files with Extent/NewChunk lists -> the packed form commit_rank sends."""
+    """Files with Extent/NewChunk lists -> the packed form commit_rank sends.
+
+    Anything malformed passes through unchanged, for the engine to reject.
+    """
+    if not isinstance(files, list):
+        return files
     out = []
     for f in files:
+        if not isinstance(f, dict):
+            out.append(f)
+            continue
         g = dict(f)
-        if not isinstance(g.get("extents", b""), bytes | bytearray | memoryview):
+        if isinstance(g.get("extents"), list) and all(isinstance(e, Extent) for e in g["extents"]):
             g["extents"] = pack_extents(g["extents"])
-        if not isinstance(g.get("new_chunks", b""), bytes | bytearray | memoryview):
-            g["new_chunks"] = pack_chunks(g["new_chunks"])
+        chunks = g.get("new_chunks")
+        if isinstance(chunks, list) and all(isinstance(c, NewChunk) for c in chunks):
+            g["new_chunks"] = pack_chunks(chunks)
         out.append(g)
     return out
 

@@ -1,0 +1,247 @@
+"""The metadata service under bad input, from many threads, and through the CLI."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusefs.volume import Volume
+from metadata.client import connect
+from metadata.engine import Extent, MetaError, NewChunk
+from metadata.protocol import (
+    PROTO_VERSION,
+    FrameDecoder,
+    ProtocolError,
+    encode,
+    encode_frame,
+    parse_request,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def served(tmp_path, meta_server):
+    Volume.create(str(tmp_path / "vol"), nodes=2).close()
+    return meta_server(tmp_path / "vol")
+
+
+def _token(server) -> str:
+    with open(server.token_file) as f:
+        return f.read().strip()
+
+
+def _raw(server, hello: bool = True) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    if hello:
+        s.sendall(encode_frame({"proto": PROTO_VERSION, "token": _token(server)}))
+        assert _recv_frame(s)["ok"] is True
+    return s
+
+
+def _recv_frame(s: socket.socket):
+    from metadata.protocol import decode
+
+    dec = FrameDecoder()
+    for _ in range(1000):
+        data = s.recv(65536)
+        if not data:
+            return None
+        frames = dec.feed(data)
+        if frames:
+            return decode(frames[0])
+    raise AssertionError("no frame")
+
+
+def _files(tag: bytes, path: str = "f") -> list[dict]:
+    cid = tag.ljust(16, b"_")[:16]
+    return [{"path": path, "size": 10, "extents": [Extent(0, 10, cid)],
+             "new_chunks": [NewChunk(cid, 10, 10)]}]  # fmt: skip
+
+
+def _snapshot(c) -> tuple:
+    return (c.stats().as_dict(), c.list_checkpoints(), c.readdir(1, 0))
+
+
+def test_bad_input_changes_nothing_and_others_are_served(served):
+    good = connect(served.url)
+    good.begin("b", 1, 2)
+    good.commit_rank("b", 1, 0, _files(b"r0"))
+    good.begin("b", 2, 1)
+    good.abort("b", 2)
+    before = _snapshot(good)
+
+    # malformed frame, oversized frame, a non-request, a bad hello: each connection dropped
+    for payload in (
+        struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1",
+        struct.pack(">I", 2**31) + b"x" * 100,
+        encode_frame({"not": "a request"}),
+        encode_frame([1, "latest", "notalist", {}, None]),
+    ):
+        s = _raw(served)
+        s.sendall(payload)
+        reply = _recv_frame(s)
+        assert reply is None or reply[1] == errno.EPROTO
+        s.close()
+    s = _raw(served, hello=False)
+    s.sendall(encode_frame(["hello?"]))
+    assert _recv_frame(s) is None or True
+    s.close()
+
+    # wrong token
+    with pytest.raises(MetaError) as e:
+        connect(f"ckptfs://127.0.0.1:{served.port}", token="not-the-token")
+    assert e.value.errno == errno.EACCES
+
+    cases = [
+        (lambda: good.call("drop_everything"), errno.ENOSYS),
+        (lambda: good.call("init_volume", {}), errno.ENOSYS),
+        (lambda: good.commit_rank("b", 1, 2, _files(b"r2")), errno.EINVAL),
+        (lambda: good.commit_rank("b", 1, -1, _files(b"r2")), errno.EINVAL),
+        (lambda: good.commit_rank("b", 2, 0, _files(b"x")), errno.ESTALE),
+        (lambda: good.commit_rank("b", 1, 0, _files(b"other")), errno.EEXIST),
+        (lambda: good.commit_rank("b", 1, 1, _files(b"r1", "../escape")), errno.EINVAL),
+        (lambda: good.commit_rank("b", 1, 1, _files(b"r1", "/etc/passwd")), errno.EINVAL),
+        (lambda: good.commit_rank("b", 1, 1, _files(b"r1", "a/../../b")), errno.EINVAL),
+        (lambda: good.commit_rank("b", 1, 1, _files(b"r1", "a\0b")), errno.EINVAL),
+        (lambda: good.commit_rank("b", 1, 1, _files(b"r1", "n" * 300)), errno.ENAMETOOLONG),
+        (lambda: good.commit_rank("b", 1, 1, "not a list"), errno.EINVAL),
+        (lambda: good.commit_rank("b", 1, 1, _files(b"r1", "f")), errno.EEXIST),  # rank 0's
+        (lambda: good.commit_rank("b", 9, 0, _files(b"r1")), errno.ENOENT),
+        (lambda: good.begin("../up", 1, 1), errno.EINVAL),
+        (lambda: good.begin("b", 3, 0), errno.EINVAL),
+        (lambda: good.lookup(1, "str-not-bytes"), errno.EINVAL),
+        (lambda: good.call("latest"), errno.EINVAL),
+    ]
+    for fn, code in cases:
+        with pytest.raises(MetaError) as e:
+            fn()
+        assert e.value.errno == code, (e.value, code)
+    assert _snapshot(good) == before
+    # the service still serves, and the step can still finish
+    other = connect(served.url)
+    assert other.commit_rank("b", 1, 1, _files(b"r1", "g"))["state"] == "published"
+    assert other.latest("b") == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), max_size=8), st.integers(1, 1 << 16))
+def test_frame_decoder_fuzz(chunks, max_frame):
+    dec = FrameDecoder(max_frame)
+    try:
+        for c in chunks:
+            for body in dec.feed(c):
+                assert len(body) <= max_frame
+                try:
+                    parse_request(body)
+                except ProtocolError:
+                    pass
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.binary(max_size=20)
+        | st.text(max_size=10),
+        lambda kids: st.lists(kids, max_size=5) | st.dictionaries(st.text(max_size=5), kids),
+        max_leaves=20,
+    )
+)
+def test_request_parser_fuzz(msg):
+    try:
+        rid, method, args, kwargs, key = parse_request(encode(msg))
+    except ProtocolError:
+        return
+    assert isinstance(method, str) and isinstance(args, list) and isinstance(kwargs, dict)
+
+
+def test_pipelined_calls_from_many_threads(served):
+    c = connect(served.url)
+    vol = Volume(c, c.get_config())
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for j in range(20):
+                vol.write_file(f"/t{i}/f{j}", b"%d-%d" % (i, j))
+                assert vol.read_file(f"/t{i}/f{j}") == b"%d-%d" % (i, j)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert c.stats().files == 160
+    vol.close()
+
+
+def test_config_comes_from_service_with_absolute_node_paths(served):
+    c = connect(served.url)
+    cfg = c.get_config()
+    assert all(os.path.isabs(n["url"][4:]) for n in cfg["nodes"])
+    assert all(n["url"].startswith("dir:" + served.volume) for n in cfg["nodes"])
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fusefs.cli", *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_cli_put_get_ls_stats_checkpoints_over_the_service(served, tmp_path):
+    url = f"ckptfs://127.0.0.1:{served.port}"
+    env = {"CKPTFS_TOKEN_FILE": served.token_file}
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(5 * 2**20 + 17))
+    assert _cli("put", url, str(src), "/d/x.bin", env=env).returncode == 0
+    ls = _cli("ls", url, "/d", env=env)
+    assert ls.returncode == 0 and "x.bin" in ls.stdout and str(5 * 2**20 + 17) in ls.stdout
+    out = tmp_path / "back.bin"
+    assert _cli("get", url, "/d/x.bin", str(out), env=env).returncode == 0
+    assert out.read_bytes() == src.read_bytes()
+    st = json.loads(_cli("stats", url, "--json", env=env).stdout)
+    assert st["logical_bytes"] == 5 * 2**20 + 17
+    # the same volume directly: same view
+    st_dir = json.loads(_cli("stats", served.volume, "--json").stdout)
+    assert st_dir["logical_bytes"] == st["logical_bytes"]
+
+    c = connect(served.url)
+    c.begin("cli", 4, 2)
+    c.commit_rank("cli", 4, 0, _files(b"c0", "a"), host="nodeA")
+    lst = _cli("checkpoints", url, "list", env=env)
+    assert lst.returncode == 0 and "cli" in lst.stdout and "open" in lst.stdout
+    c.commit_rank("cli", 4, 1, _files(b"c1", "b"), host="nodeB")
+    show = _cli("checkpoints", url, "show", "cli", "4", env=env)
+    assert show.returncode == 0, show.stderr
+    assert "published" in show.stdout and "nodeA" in show.stdout and "nodeB" in show.stdout
+    js = json.loads(_cli("checkpoints", served.volume, "show", "cli", "4", "--json").stdout)
+    assert js["committed"] == 2 and [r["host"] for r in js["ranks"]] == ["nodeA", "nodeB"]
+
+    for args, env2, word in (
+        (("ls", url), {"CKPTFS_TOKEN": "wrong", "CKPTFS_TOKEN_FILE": ""}, "wrong token"),
+        (("ls", url), {"CKPTFS_TOKEN": "", "CKPTFS_TOKEN_FILE": ""}, "no token"),
+        (("checkpoints", url, "show", "nope", "1"), env, "no checkpoint"),
+        (("ls", "ckptfs://127.0.0.1:1"), env, "cannot reach"),
+    ):
+        p = _cli(*args, env=env2)
+        assert p.returncode != 0 and "Traceback" not in p.stderr and word in p.stderr, p.stderr
