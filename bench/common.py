@@ -66,7 +66,15 @@ def disk_write(path: str, pieces: Iterator[bytes]) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
-def peak_rss_mib() -> float:
+def peak_rss_mib(pid: int | str = "self") -> float:
+    """VmHWM of a process: unlike ru_maxrss, it is not inherited across fork+exec."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
