@@ -281,6 +281,9 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
                 self._pending = files  # committed with .metadata in finish()
             else:
                 self._commit(files)
+        except MetaError as e:  # MetaError does not unpickle: DCP gathers errors across ranks
+            self._abort(f"rank {self.rank} failed in write_data: {e}")
+            raise CkptfsError(f"rank {self.rank}: {e} (errno {e.errno})") from None
         except BaseException as e:
             self._abort(f"rank {self.rank} failed in write_data: {e!r}")
             raise
@@ -350,6 +353,9 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
                     f"{info['job']} step {info['step']} was not published: "
                     f"{info['state']} {info.get('reason', '')}"
                 )
+        except MetaError as e:
+            self._abort(f"coordinator failed in finish: {e}")
+            raise CkptfsError(f"coordinator: {e} (errno {e.errno})") from None
         except BaseException as e:
             self._abort(f"coordinator failed in finish: {e!r}")
             raise
@@ -459,7 +465,12 @@ class CkptfsReader(StorageReader):
         return attr.size, vol.meta.get_extents(attr.ino)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
+        try:
+            return self._read_metadata(kwargs.get("rank"))
+        except MetaError as e:
+            raise CkptfsError(f"reading {self.path}: {e} (errno {e.errno})") from None
+
+    def _read_metadata(self, rank: int | None) -> Metadata:
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
         size, extents = self._file(name)
         data = b"".join(
@@ -486,6 +497,15 @@ class CkptfsReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            self._read_all(plan, planner)
+        except MetaError as e:  # MetaError does not unpickle: DCP gathers errors across ranks
+            raise CkptfsError(f"reading {self.path}: {e} (errno {e.errno})") from None
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         vol = _volume(self.volume)
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
@@ -503,9 +523,6 @@ class CkptfsReader(StorageReader):
                 reqs, _assemble(vol, extents, ranges, self.read_window), strict=True
             ):
                 self._load_item(req, data, planner)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
 
     def _load_item(self, req: ReadItem, data: bytes | memoryview, planner: LoadPlanner) -> None:
         md: _StorageInfo = self.storage_data[req.storage_index]

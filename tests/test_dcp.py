@@ -1,0 +1,281 @@
+"""The DCP backend with real multi-process gloo saves and loads (tests/dcp_worker.py ranks).
+
+Each scenario starts its ranks once (torch import dominates the cost) and several
+tests read the checks the ranks recorded, plus what the volume holds afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fusefs.dcp import CkptfsReader, CkptfsWriter, close_volumes, latest_step, parse_ckpt_path
+from fusefs.volume import Volume, VolumeSettings
+from metadata.engine import MetaError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "dcp_worker.py")
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import dcp_worker as W  # noqa: E402
+
+CHUNK = 64 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(
+    scenario: str, world: int, vol: str, out: str, timeout: float = 300, **env: str
+) -> list[dict]:
+    """Run `world` ranks of a scenario; fail with the logs if any rank fails or hangs."""
+    os.makedirs(out, exist_ok=True)
+    port = str(free_port())
+    procs, logs = [], []
+    for r in range(world):
+        log = open(os.path.join(out, f"{scenario}.rank{r}.log"), "w")  # noqa: SIM115
+        logs.append(log)
+        e = dict(os.environ)
+        e.update(
+            RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(r),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            CKPT_VOL=vol,
+            CKPT_OUT=out,
+            PYTHONPATH=ROOT,
+            OMP_NUM_THREADS="1",
+            **env,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, scenario], env=e, stdout=log, stderr=subprocess.STDOUT
+            )
+        )
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        tails = []
+        for r in range(world):
+            with open(os.path.join(out, f"{scenario}.rank{r}.log")) as f:
+                tails.append(f"--- rank {r} (exit {codes[r]}):\n" + f.read()[-3000:])
+        pytest.fail(f"{scenario}: ranks failed or timed out\n" + "\n".join(tails))
+    results = []
+    for r in range(world):
+        with open(os.path.join(out, f"{scenario}.rank{r}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+def assert_checks(results: list[dict], *names: str) -> None:
+    for r, res in enumerate(results):
+        for name in names:
+            assert name in res, f"rank {r} did not record {name}"
+            ok, detail = res[name]
+            assert ok, f"rank {r}: {name}: {detail}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A volume after the 4-rank 'save' scenario (steps 1, 2 published; 3 failed)."""
+    base = tmp_path_factory.mktemp("dcp")
+    vol = str(base / "vol")
+    Volume.create(vol, settings=VolumeSettings(chunk_size=CHUNK)).close()
+    results = launch("save", 4, vol, str(base / "out"))
+    yield vol, results, base
+    close_volumes()
+
+
+def test_four_ranks_save_and_load_exactly(saved):
+    _, results, _ = saved
+    assert_checks(results, "exact_load", "bytes_item", "partial_load", "step2_load")
+
+
+def test_layout_matches_filesystem_writer(saved, tmp_path):
+    """Same files and same bytes as FileSystemWriter for the same plan (single process)."""
+    vol, _, _ = saved
+    sd = {f"t{i}": W.full(i, 1) for i in range(4)} | {"meta": {"a": 1}}
+    dcp.save(sd, storage_writer=CkptfsWriter(vol, "layout/step-1"), no_dist=True)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs")), no_dist=True)
+    with Volume.open(vol) as v:
+        names = sorted(n.decode() for n, _ in v.listdir("layout/step-1"))
+        assert names == sorted(os.listdir(tmp_path / "fs"))
+        for n in names:
+            if n != ".metadata":
+                assert v.read_file(f"layout/step-1/{n}") == (tmp_path / "fs" / n).read_bytes()
+    theirs = dcp.FileSystemReader(str(tmp_path / "fs")).read_metadata()
+    mine = CkptfsReader(vol, "layout/step-1").read_metadata()
+    assert mine.storage_data == theirs.storage_data
+    assert mine.state_dict_metadata == theirs.state_dict_metadata
+
+
+def test_step2_mostly_unchanged_stores_little(saved):
+    """10% of tensors changed: <= 15% new bytes (ckptfs stats --json, before and after)."""
+    _, results, _ = saved
+    s1, s2 = results[0]["stats_after_1"], results[0]["stats_after_2"]
+    logical = s2["logical_bytes"] - s1["logical_bytes"]
+    new_raw = s2["raw_unique_bytes"] - s1["raw_unique_bytes"]
+    new_stored = s2["stored_bytes"] - s1["stored_bytes"]
+    assert logical >= s1["logical_bytes"] * 0.95  # step 2 is a full-size checkpoint
+    assert new_raw <= 0.15 * logical, (new_raw, logical)
+    assert new_stored <= 0.15 * s1["stored_bytes"], (new_stored, s1["stored_bytes"])
+    assert new_raw >= 0.05 * logical  # the changed tensors were stored, not lost
+
+
+def test_failing_rank_leaves_previous_step(saved):
+    vol, results, _ = saved
+    assert_checks(results, "failed_save_raised")
+    assert all(r["latest_after_failure"] == 2 for r in results)
+    assert all(r["resume_path"] == "train/step-000002" for r in results)
+    with Volume.open(vol) as v:
+        assert sorted(n for n, _ in v.listdir("train")) == [b"step-000001", b"step-000002"]
+        assert not v.exists("train/step-000003")
+        state = v.meta.step_state("train", 3)
+        assert state["state"] == "aborted", state
+        assert latest_step(vol, "train") == 2
+
+
+def test_failed_step_chunks_are_collected_by_gc(saved, tmp_path):
+    """Chunks written for the failed step belong to nothing: gc removes them, step 2 intact."""
+    from fusefs.gc import gc
+
+    vol, _, _ = saved
+    with Volume.open(vol) as v:
+        before = {cid for n in v.store.nodes for cid, _, _ in n.list()}
+        rep = gc(v, grace=0, progress=False)
+        after = {cid for n in v.store.nodes for cid, _, _ in n.list()}
+        assert rep.rows_deleted + rep.objects_deleted > 0, rep
+        assert after < before
+        assert v.meta.known_chunks(sorted(after)) == after  # no orphan object left
+    # step 2 still loads exactly (in one process, into full unsharded tensors)
+    target = {"model": {W.key(i): torch.zeros_like(W.full(i, 2)) for i in range(W.N_TENSORS)}}
+    close_volumes()
+    dcp.load(target, storage_reader=CkptfsReader(vol, "train/step-000002"), no_dist=True)
+    for i in range(W.N_TENSORS):
+        assert torch.equal(target["model"][W.key(i)], W.full(i, 2)), i
+
+
+def test_reshard_to_two_ranks_and_async_saves(saved):
+    vol, _, base = saved
+    results = launch("reshard_async", 2, vol, str(base / "out2"))
+    assert_checks(results, "reshard_load_1", "reshard_load_2", "async_load_11", "async_load_12")
+    with Volume.open(vol) as v:
+        readers = {s: CkptfsReader(vol, f"async/step-{s:06d}") for s in (10, 11, 12)}
+        metas = {s: r.read_metadata() for s, r in readers.items()}
+        for s in (11, 12):
+            assert metas[s].storage_data == metas[10].storage_data
+            assert metas[s].state_dict_metadata == metas[10].state_dict_metadata
+            names = sorted(n for n, _ in v.listdir(f"async/step-{s:06d}"))
+            assert names == sorted(n for n, _ in v.listdir("async/step-000010"))
+            for n in names:
+                if n == b".metadata":
+                    continue
+                a = v.resolve(f"async/step-000010/{n.decode()}")
+                b = v.resolve(f"async/step-{s:06d}/{n.decode()}")
+                assert a.size == b.size
+                assert v.meta.get_extents(a.ino) == v.meta.get_extents(b.ino), (s, n)
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """A fresh volume mounted with `ckptfs mount` (foreground daemon, unmounted at teardown)."""
+    vol, mnt = str(tmp_path / "vol"), tmp_path / "mnt"
+    Volume.create(vol, settings=VolumeSettings(chunk_size=CHUNK)).close()
+    mnt.mkdir()
+    exe = shutil.which("ckptfs")
+    cmd = [exe] if exe else [sys.executable, "-m", "fusefs.cli"]
+    log = open(tmp_path / "mount.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([*cmd, "mount", vol, str(mnt)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mnt):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"mount failed: {(tmp_path / 'mount.log').read_text()}")
+            time.sleep(0.1)
+        yield vol, str(mnt)
+    finally:
+        subprocess.run([*cmd, "umount", str(mnt)], capture_output=True, timeout=60)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        close_volumes()
+
+
+def test_cross_format_through_the_mount(mounted, tmp_path):
+    vol, mnt = mounted
+    results = launch("cross", 2, vol, str(tmp_path / "out"), CKPT_MOUNT=mnt)
+    assert_checks(results, "native_to_fsreader", "fswriter_to_native", "fswriter_bytes_item")
+
+
+# -- single-process checks: argument errors, unpublished steps -----------------------------
+def test_path_parsing_and_bad_arguments(volume):
+    assert parse_ckpt_path("job/step-000100") == ("job", 100)
+    assert parse_ckpt_path("a/b/ckpt7") == ("a/b", 7)
+    assert parse_ckpt_path("x", job="j", step=3) == ("j", 3)
+    for bad in ("step-1", "job/latest", "", "../x/step-1"):
+        with pytest.raises(ValueError):
+            parse_ckpt_path(bad)
+    with pytest.raises(TypeError):
+        CkptfsWriter(volume, "job/step-1")  # a Volume object would not pickle
+    with pytest.raises(ValueError):
+        CkptfsWriter(volume.base_dir, "job/step-1", thread_count=0)
+
+
+def test_step_number_reuse_is_refused(volume):
+    vol = volume.base_dir
+    sd = {"t": torch.arange(10)}
+    dcp.save(sd, storage_writer=CkptfsWriter(vol, "j/step-1"), no_dist=True)
+    with pytest.raises(CheckpointException, match="already exists|is published"):
+        dcp.save(sd, storage_writer=CkptfsWriter(vol, "j/step-1"), no_dist=True)
+    assert latest_step(vol, "j") == 1
+    close_volumes()
+
+
+def test_unpublished_step_is_not_loadable(volume):
+    """An open (uncommitted) step is invisible to readers and to latest."""
+    vol = volume.base_dir
+    volume.meta.begin("k", 5, 2)
+    with pytest.raises(CheckpointException, match="is the step published"):
+        dcp.load(
+            {"t": torch.zeros(3)}, storage_reader=CkptfsReader(vol, "k/step-000005"), no_dist=True
+        )
+    assert latest_step(vol, "k") is None
+    with pytest.raises(MetaError):
+        volume.meta.commit_rank("k", 5, 7, [])
+    close_volumes()
+
+
+def test_writer_pickles_without_a_volume(volume):
+    import pickle
+
+    w = CkptfsWriter(volume.base_dir, "p/step-3", thread_count=2)
+    w2 = pickle.loads(pickle.dumps(w))
+    assert (w2.volume, w2.job, w2.step, w2.thread_count) == (volume.base_dir, "p", 3, 2)
