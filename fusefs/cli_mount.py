@@ -127,15 +127,31 @@ def attach_tier(vol, staging: str | None, staging_size: int | None, durability: 
             log.warning("no write-behind tier in this build: durability is remote")
         return None
     opener = getattr(writeback, "attach", None)
-    if opener is None:
-        log.warning("chunkstore.writeback has no attach(): durability is remote")
-        return None
-    kw = {"durability": durability or "local"}
-    if staging:
-        kw["staging"] = staging
-    if staging_size:
-        kw["staging_size"] = staging_size
-    return opener(vol, **kw)
+    if opener is not None:  # the tier's own helper, when it has one
+        kw = {"durability": durability or "local"}
+        if staging:
+            kw["staging"] = staging
+        if staging_size:
+            kw["staging_size"] = staging_size
+        return opener(vol, **kw)
+
+    def on_durable(ids: list[bytes]) -> list[bytes]:
+        """Mark uploaded chunks durable; return those the metadata does not know yet."""
+        info = vol.meta.chunk_info(ids)
+        known = [c for c in ids if c in info]
+        if known:
+            vol.meta.mark_durable(known)
+        return [c for c in ids if c not in info]
+
+    root = staging or writeback.default_staging_dir(vol.config["uuid"])
+    vol.tier = writeback.WriteBehindTier(
+        vol.store,
+        root,
+        size=staging_size,
+        durability=durability or "local",
+        on_durable=on_durable,
+    )
+    return vol.tier
 
 
 def _serve(args: argparse.Namespace, spec: str, mp: str, on_ready) -> None:

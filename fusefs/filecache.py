@@ -100,23 +100,57 @@ def overlapping(extents: list[Extent], starts: list[int], lo: int, hi: int) -> l
 
 
 # -- dirty blocks ------------------------------------------------------------------
+class BufferPool:
+    """Reused block-sized buffers.
+
+    A fresh multi-MiB allocation costs a page fault per 4 KiB on first touch,
+    which made copying into new buffers the most expensive step of a write.
+    Buffers handed to a store task come back here when it is done.
+    """
+
+    def __init__(self, size: int, keep: int) -> None:
+        self.size = size
+        self.keep = keep
+        self._free: list[bytearray] = []
+
+    def get(self) -> bytearray:
+        return self._free.pop() if self._free else bytearray(self.size)
+
+    def put(self, buf: bytearray) -> None:
+        if len(buf) == self.size and len(self._free) < self.keep:
+            self._free.append(buf)
+
+
+SMALL_BLOCK = 256 * 1024  # below this a block grows on demand; above, it takes a pooled buffer
+
+
 class DirtyBlock:
     """Written bytes of one aligned block; `spans` are the written [s, e) ranges."""
 
-    __slots__ = ("ino", "index", "buf", "spans", "counted", "busy")
+    __slots__ = ("ino", "index", "buf", "spans", "counted", "busy", "pool")
 
-    def __init__(self, ino: int, index: int) -> None:
+    def __init__(self, ino: int, index: int, pool: BufferPool | None = None) -> None:
         self.ino = ino
         self.index = index
         self.buf = bytearray()  # grows on demand: a 4 KiB file costs 4 KiB, not a chunk
         self.spans: list[list[int]] = []
         self.counted = 0  # bytes of it in FileCache.dirty_bytes
         self.busy = False  # being sealed
+        self.pool = pool
 
     def write(self, off: int, data: bytes | memoryview) -> None:
         end = off + len(data)
         if len(self.buf) < end:
-            self.buf.extend(_zeros(end - len(self.buf)))
+            pool = self.pool
+            if pool is not None and end > SMALL_BLOCK and end <= pool.size:
+                # Stale bytes of a reused buffer sit only outside the spans: reads never
+                # look there and sealing fills every gap with the old content first.
+                big = pool.get()
+                big[: len(self.buf)] = self.buf
+                self.buf = big
+                self.pool = None  # fixed size from now on
+            else:
+                self.buf.extend(_zeros(end - len(self.buf)))
         self.buf[off:end] = data
         self._add_span(off, end)
 
@@ -183,7 +217,7 @@ class FileState:
     size: int
     extents: list[Extent]
     blocks: dict[int, DirtyBlock] = field(default_factory=dict)
-    sealing: dict[int, bytes] = field(default_factory=dict)
+    sealing: dict[int, memoryview] = field(default_factory=dict)
     new_chunks: dict[bytes, NewChunk] = field(default_factory=dict)
     version: int = 0
     committed: int = 0
@@ -230,8 +264,8 @@ class FileCache:
         vol: Volume,
         nursery: trio.Nursery,
         *,
-        dirty_max: int = 128 * 2**20,
-        inflight_max: int = 96 * 2**20,
+        dirty_max: int = 64 * 2**20,
+        inflight_max: int = 64 * 2**20,
         cache_max: int = 128 * 2**20,
         readahead: int = 8,
         workers: int = 6,
@@ -246,6 +280,7 @@ class FileCache:
         self.store_limiter = trio.CapacityLimiter(workers)
         self.fetch_limiter = trio.CapacityLimiter(workers)
         self.meta_limiter = trio.CapacityLimiter(4)
+        self.pool = BufferPool(self.block, keep=max(4, (dirty_max + inflight_max) // self.block))
         self.states: dict[int, FileState] = {}
         self.dirty_bytes = 0
         self.inflight_bytes = 0
@@ -306,7 +341,7 @@ class FileCache:
                 await self._changed.park()
             blk = st.blocks.get(idx)
             if blk is None:
-                blk = st.blocks[idx] = DirtyBlock(st.ino, idx)
+                blk = st.blocks[idx] = DirtyBlock(st.ino, idx, self.pool)
             before = blk.nbytes
             blk.write(boff, mv[pos : pos + take])
             blk.counted += blk.nbytes - before
@@ -356,14 +391,15 @@ class FileCache:
         self._forget_block(st, blk.index, blk)
         if length <= 0:
             return
-        data = bytes(blk.buf[:length])
-        if len(data) < length:
-            data += _zeros(length - len(data))
+        buf = blk.buf
+        if len(buf) < length:  # cannot happen: the fill loop leaves no gap below length
+            buf.extend(_zeros(length - len(buf)))
+        data = memoryview(buf)[:length]
         st.sealing[blk.index] = data
         self.inflight_bytes += length
-        self.nursery.start_soon(self._store, st, blk.index, data)
+        self.nursery.start_soon(self._store, st, blk.index, data, buf)
 
-    async def _store(self, st: FileState, idx: int, data: bytes) -> None:
+    async def _store(self, st: FileState, idx: int, data: memoryview, buf: bytearray) -> None:
         try:
             cid, rec = await trio.to_thread.run_sync(
                 self._hash_and_store, data, limiter=self.store_limiter
@@ -379,9 +415,11 @@ class FileCache:
         finally:
             st.sealing.pop(idx, None)
             self.inflight_bytes -= len(data)
+            data.release()
+            self.pool.put(buf)
             self._changed.unpark_all()
 
-    def _hash_and_store(self, data: bytes) -> tuple[bytes, NewChunk | None]:
+    def _hash_and_store(self, data: memoryview) -> tuple[bytes, NewChunk | None]:
         """Worker thread: id, one "is it known?" query, and the store if it is not."""
         cid = chunk_id(data, self.vol.seed)
         if not self.vol.meta.missing_chunks([cid]):
@@ -441,8 +479,11 @@ class FileCache:
         bs = self.block
         layers: list[tuple[int, bytes]] = []
         for idx in range(off // bs, (end - 1) // bs + 1):
-            if idx in st.sealing:
-                layers.append((idx * bs, st.sealing[idx]))
+            if idx in st.sealing:  # copied: the buffer goes back to the pool once stored
+                lo, buf = idx * bs, st.sealing[idx]
+                s, e = max(lo, off), min(lo + len(buf), end)
+                if s < e:
+                    layers.append((s, bytes(buf[s - lo : e - lo])))
         spans: list[tuple[int, bytes]] = []
         for idx in range(off // bs, (end - 1) // bs + 1):
             blk = st.blocks.get(idx)
@@ -459,11 +500,7 @@ class FileCache:
         if not layers and not spans:
             return data
         out = bytearray(data)
-        for lo, buf in layers:
-            s, e = max(lo, off), min(lo + len(buf), end)
-            if s < e:
-                out[s - off : e - off] = buf[s - lo : e - lo]
-        for s, buf in spans:
+        for s, buf in layers + spans:
             out[s - off : s - off + len(buf)] = buf
         return bytes(out)
 

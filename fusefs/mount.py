@@ -85,7 +85,8 @@ class CkptFS(pyfuse3.Operations):
         self.cache: FileCache | None = None
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
-        self.orphans: set[int] = set()
+        self.orphans: set[int] = set()  # nlink 0, still known to the kernel or open
+        self.lookups: dict[int, int] = {}  # the kernel's lookup count per inode
         self.page_gen: dict[int, int] = {}  # generation whose pages the kernel may hold
         self._statfs: tuple[float, tuple[int, int]] | None = None
         self.requests = 0
@@ -101,6 +102,7 @@ class CkptFS(pyfuse3.Operations):
                 await pyfuse3.main(min_tasks=4, max_tasks=64)
                 n.cancel_scope.cancel()
             await self.cache.shutdown()
+            await self.reap_all()
             bg.cancel_scope.cancel()
 
     async def _signals(self) -> None:
@@ -131,6 +133,11 @@ class CkptFS(pyfuse3.Operations):
         v = Attr(**a.__dict__)
         v.size, v.mtime_ns = st.size, st.mtime_ns
         return v
+
+    def _ref(self, a: Attr) -> pyfuse3.EntryAttributes:
+        """An entry reply: the kernel now holds one more lookup of the inode."""
+        self.lookups[a.ino] = self.lookups.get(a.ino, 0) + 1
+        return self._entry(a)
 
     def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
         a = self._view(a)
@@ -165,10 +172,10 @@ class CkptFS(pyfuse3.Operations):
     @handler
     async def lookup(self, parent_inode, name, ctx=None):
         if name == b".":
-            return self._entry(await self.meta(self.vol.meta.getattr, parent_inode))
+            return self._ref(await self.meta(self.vol.meta.getattr, parent_inode))
         if len(name) > NAME_MAX:
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
-        return self._entry(await self.meta(self.vol.meta.lookup, parent_inode, name))
+        return self._ref(await self.meta(self.vol.meta.lookup, parent_inode, name))
 
     @handler
     async def getattr(self, inode, ctx=None):
@@ -221,17 +228,13 @@ class CkptFS(pyfuse3.Operations):
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         parent = await self.meta(self.vol.meta.getattr, parent_inode)
         uid, gid, mode = self._owner(parent, ctx, mode)
-        return self._entry(
-            await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid)
-        )
+        return self._ref(await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid))
 
     @handler
     async def mkdir(self, parent_inode, name, mode, ctx):
         parent = await self.meta(self.vol.meta.getattr, parent_inode)
         uid, gid, mode = self._owner(parent, ctx, stat.S_IFDIR | (mode & 0o7777))
-        return self._entry(
-            await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid)
-        )
+        return self._ref(await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid))
 
     @handler
     async def symlink(self, parent_inode, name, target, ctx):
@@ -240,11 +243,11 @@ class CkptFS(pyfuse3.Operations):
         a = await self.meta(
             lambda: self.vol.meta.create(parent_inode, name, mode, uid, gid, target=target)
         )
-        return self._entry(a)
+        return self._ref(a)
 
     @handler
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._entry(await self.meta(self.vol.meta.link, inode, new_parent_inode, new_name))
+        return self._ref(await self.meta(self.vol.meta.link, inode, new_parent_inode, new_name))
 
     @handler
     async def unlink(self, parent_inode, name, ctx):
@@ -270,21 +273,48 @@ class CkptFS(pyfuse3.Operations):
             st.attr.nlink = a.nlink
         if a.nlink > 0:
             return
-        if st is not None and st.opens > 0:
-            self.orphans.add(a.ino)
+        self.orphans.add(a.ino)
+        await self._reap(a.ino)
+
+    async def _reap(self, ino: int) -> None:
+        """Delete an orphan once no handle is open and the kernel forgot it.
+
+        Until the kernel's FORGET, a path walk that resolved to the inode
+        before it was unlinked or renamed over may still open it, as on a
+        local filesystem.
+        """
+        if ino not in self.orphans or self.lookups.get(ino, 0) > 0:
             return
-        self.page_gen.pop(a.ino, None)
-        await self.meta(self.vol.meta.forget_orphan, a.ino)
+        st = self.cache.states.get(ino)
+        if st is not None and st.opens > 0:
+            return
+        self.orphans.discard(ino)
+        self.page_gen.pop(ino, None)
+        if st is not None:
+            self.cache.discard(st)
+            self.cache.drop_if_idle(st)
+        await self.meta(self.vol.meta.forget_orphan, ino)
 
     async def forget(self, inode_list):
         try:
-            for ino, _ in inode_list:
-                st = self.cache.states.get(ino)
-                if ino in self.orphans and (st is None or st.opens <= 0):
-                    self.orphans.discard(ino)
-                    await self.meta(self.vol.meta.forget_orphan, ino)
+            for ino, n in inode_list:
+                left = self.lookups.get(ino, 0) - n
+                if left > 0:
+                    self.lookups[ino] = left
+                else:
+                    self.lookups.pop(ino, None)
+                    await self._reap(ino)
         except Exception:  # forget has no reply: never let it escape
             log.exception("forget failed")
+
+    async def reap_all(self) -> None:
+        """Unmounted: the kernel holds nothing any more, so every orphan can go."""
+        self.lookups.clear()
+        for ino in list(self.orphans):
+            try:
+                await self._reap(ino)
+            except Exception as e:
+                log.error("orphan inode %d not deleted (purged at next mount): %s", ino, e)
 
     # -- directories -------------------------------------------------------------
     @handler
@@ -304,6 +334,7 @@ class CkptFS(pyfuse3.Operations):
             for e in batch:
                 if not pyfuse3.readdir_reply(token, e.name, self._entry(e.attr), e.next_offset):
                     return
+                self.lookups[e.attr.ino] = self.lookups.get(e.attr.ino, 0) + 1
             off = batch[-1].next_offset
 
     async def releasedir(self, fh):
@@ -359,11 +390,12 @@ class CkptFS(pyfuse3.Operations):
         parent = await self.meta(self.vol.meta.getattr, parent_inode)
         uid, gid, mode = self._owner(parent, ctx, stat.S_IFREG | (mode & 0o7777))
         a = await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid)
+        entry = self._ref(a)
         st = await self.cache.open_state(a)
         self.page_gen[a.ino] = a.generation
         fi = pyfuse3.FileInfo(fh=self._new_fh(st, flags))
         fi.keep_cache = True
-        return fi, self._entry(a)
+        return fi, entry
 
     @handler
     async def open(self, inode, flags, ctx):
@@ -437,10 +469,8 @@ class CkptFS(pyfuse3.Operations):
             st.opens -= 1
             if st.opens <= 0:
                 if st.ino in self.orphans:
-                    self.orphans.discard(st.ino)
                     self.cache.discard(st)
-                    self.page_gen.pop(st.ino, None)
-                    await self.meta(self.vol.meta.forget_orphan, st.ino)
+                    await self._reap(st.ino)
                 self.cache.drop_if_idle(st)
 
     # -- extended attributes --------------------------------------------------------

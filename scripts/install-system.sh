@@ -3,7 +3,7 @@
 # PostgreSQL (the scale-out metadata engine and its tests), rclone (a peer the
 # FUSE benchmark compares against). Idempotent; skips apt when all are present.
 set -euo pipefail
-pkgs=(fuse3 libfuse3-dev pkg-config postgresql rclone)
+pkgs=(fuse3 libfuse3-dev pkg-config postgresql rclone rsync)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

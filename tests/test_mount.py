@@ -1,0 +1,417 @@
+"""The FUSE mount, for real: file API semantics, tools, consistency and integrity."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import os
+import random
+import shutil
+import subprocess
+import tarfile
+import threading
+import time
+
+import pytest
+
+from tests.fixtures.mount import have
+
+MiB = 2**20
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write(path: str, data: bytes, mode: str = "wb") -> None:
+    with open(path, mode) as f:
+        f.write(data)
+
+
+# -- Python file API edge cases ------------------------------------------------------------
+def test_write_read_small_and_multi_block(mounted):
+    _write(mounted.path("a"), b"hello")
+    assert _read(mounted.path("a")) == b"hello"
+    big = os.urandom(9 * MiB + 12345)  # crosses 4 MiB chunk boundaries, ends mid-chunk
+    _write(mounted.path("big"), big)
+    assert os.stat(mounted.path("big")).st_size == len(big)
+    assert _read(mounted.path("big")) == big
+    with open(mounted.path("big"), "rb") as f:  # random-offset reads
+        for off in (0, 4 * MiB - 3, 8 * MiB + 7, len(big) - 10):
+            f.seek(off)
+            assert f.read(100) == big[off : off + 100]
+
+
+def test_sparse_overwrite_truncate_append(mounted):
+    p = mounted.path("f")
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, b"X" * 10, 10 * MiB)  # sparse: a hole before it
+        assert os.fstat(fd).st_size == 10 * MiB + 10
+        assert os.pread(fd, 16, 5 * MiB) == bytes(16)
+        os.pwrite(fd, b"mid", 3)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    data = _read(p)
+    assert data[:3] == bytes(3) and data[3:6] == b"mid" and data[-10:] == b"X" * 10
+    assert data.count(0) == len(data) - 13
+
+    base = os.urandom(6 * MiB)
+    _write(p, base)
+    with open(p, "r+b") as f:  # overwrite in the middle of a committed file, across a boundary
+        f.seek(4 * MiB - 2)
+        f.write(b"ABCD")
+    expect = bytearray(base)
+    expect[4 * MiB - 2 : 4 * MiB + 2] = b"ABCD"
+    assert _read(p) == bytes(expect)
+
+    os.truncate(p, 5 * MiB + 1)  # down, inside a chunk
+    assert _read(p) == bytes(expect[: 5 * MiB + 1])
+    os.truncate(p, 7 * MiB)  # up: zeros
+    assert _read(p) == bytes(expect[: 5 * MiB + 1]) + bytes(2 * MiB - 1)
+    os.truncate(p, 1 << 40)  # a huge truncate is a hole: free
+    assert os.stat(p).st_size == 1 << 40
+    os.truncate(p, 100)
+    _write(p, b"tail", "ab")
+    assert _read(p) == bytes(expect[:100]) + b"tail"
+    fd = os.open(p, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, b"+1")
+        os.pwrite(fd, b"+2", 0)  # O_APPEND ignores the offset on Linux
+    finally:
+        os.close(fd)
+    assert _read(p).endswith(b"tail+1+2")
+
+
+def test_excl_trunc_and_open_errors(mounted):
+    p = mounted.path("x")
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    os.write(fd, b"1234")
+    os.close(fd)
+    assert os.stat(p).st_mode & 0o777 == 0o640
+    with pytest.raises(FileExistsError):
+        os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    fd = os.open(p, os.O_WRONLY | os.O_TRUNC)
+    os.close(fd)
+    assert os.stat(p).st_size == 0
+    with pytest.raises(FileNotFoundError):
+        open(mounted.path("nope"))
+    os.mkdir(mounted.path("d"))
+    with pytest.raises(IsADirectoryError):
+        open(mounted.path("d"), "wb")
+    with pytest.raises(NotADirectoryError):
+        open(mounted.path("x", "y"), "wb")
+    with pytest.raises(OSError) as e:
+        open(mounted.path("n" * 256), "wb")
+    assert e.value.errno == errno.ENAMETOOLONG
+    _write(mounted.path("d", "child"), b"c")
+    with pytest.raises(OSError) as e:
+        os.rmdir(mounted.path("d"))
+    assert e.value.errno == errno.ENOTEMPTY
+
+
+def _inodes(m) -> int:
+    import json
+
+    return json.loads(m.cli("stats", m.volume, "--json", check=True).stdout)["inodes"]
+
+
+def test_unlink_while_open_and_hard_links(mounted):
+    before = _inodes(mounted)
+    p = mounted.path("open-unlinked")
+    _write(p, b"still here")
+    f = open(p, "rb")
+    os.unlink(p)
+    assert not os.path.exists(p)
+    assert f.read() == b"still here"  # POSIX: the inode lives until the last close
+    assert _inodes(mounted) == before + 1
+    f.close()
+    deadline = time.monotonic() + 5  # release reaches the daemon asynchronously
+    while time.monotonic() < deadline and _inodes(mounted) != before:
+        time.sleep(0.05)
+    assert _inodes(mounted) == before  # the orphan was deleted at its last close
+    _write(mounted.path("l1"), b"linked")
+    os.link(mounted.path("l1"), mounted.path("l2"))
+    assert os.stat(mounted.path("l1")).st_nlink == 2
+    os.unlink(mounted.path("l1"))
+    assert _read(mounted.path("l2")) == b"linked"
+    os.symlink("l2", mounted.path("sym"))
+    assert os.readlink(mounted.path("sym")) == "l2"
+    assert _read(mounted.path("sym")) == b"linked"
+
+
+def test_rename_variants(mounted):
+    _write(mounted.path("a"), b"A")
+    _write(mounted.path("b"), b"B")
+    os.rename(mounted.path("a"), mounted.path("b"))  # replaces atomically
+    assert _read(mounted.path("b")) == b"A" and not os.path.exists(mounted.path("a"))
+    _write(mounted.path("c"), b"C")
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+    at = -100  # AT_FDCWD
+    r = renameat2(at, mounted.path("c").encode(), at, mounted.path("b").encode(), 1)
+    assert r == -1 and ctypes.get_errno() == errno.EEXIST  # RENAME_NOREPLACE
+    r = renameat2(at, mounted.path("c").encode(), at, mounted.path("b").encode(), 2)
+    assert r == 0  # RENAME_EXCHANGE
+    assert _read(mounted.path("b")) == b"C" and _read(mounted.path("c")) == b"A"
+    os.makedirs(mounted.path("d1", "sub"))
+    os.rename(mounted.path("d1"), mounted.path("d2"))
+    assert os.listdir(mounted.path("d2")) == ["sub"]
+
+
+def test_readdir_many_entries_and_statfs(mounted):
+    d = mounted.path("many")
+    os.mkdir(d)
+    names = {f"f{i:05d}" for i in range(1300)}  # more than one engine readdir batch
+    for n in names:
+        open(os.path.join(d, n), "wb").close()
+    assert set(os.listdir(d)) == names
+    with os.scandir(d) as it:  # readdir resumed at engine cookies, no dup or skip
+        seen = [e.name for e in it]
+    assert len(seen) == len(set(seen)) == 1300
+    st = os.statvfs(mounted.mp)
+    assert st.f_namemax == 255 and st.f_blocks > 0 and st.f_bavail > 0
+
+
+def test_xattrs(mounted):
+    p = mounted.path("x")
+    _write(p, os.urandom(5 * MiB))
+    os.setxattr(p, "user.note", b"v1")
+    assert os.getxattr(p, "user.note") == b"v1"
+    assert "user.note" in os.listxattr(p)
+    os.removexattr(p, "user.note")
+    with pytest.raises(OSError) as e:
+        os.getxattr(p, "user.note")
+    assert e.value.errno == errno.ENODATA
+    assert os.getxattr(p, "user.ckptfs.chunks") == b"2"
+    assert int(os.getxattr(p, "user.ckptfs.stored_bytes")) >= 5 * MiB  # random: stored raw
+    state = os.getxattr(p, "user.ckptfs.durability")
+    assert state == b"durable" or state.startswith(b"staged "), state
+    os.setxattr(mounted.mp, "user.ckptfs.flush", b"1")  # what `umount --flush` does
+    assert os.getxattr(p, "user.ckptfs.durability") == b"durable"
+    assert float(os.getxattr(p, "user.ckptfs.dedup")) == 0.0
+    shutil.copyfile(p, mounted.path("x2"))  # same content: every chunk now shared
+    assert float(os.getxattr(p, "user.ckptfs.dedup")) == 1.0
+    with pytest.raises(OSError) as e:
+        os.setxattr(p, "user.ckptfs.chunks", b"9")
+    assert e.value.errno == errno.EPERM
+
+
+# -- tools and torch ---------------------------------------------------------------------
+def _tree(root: str) -> None:
+    rng = random.Random(7)
+    for d in range(4):
+        sub = os.path.join(root, f"dir{d}", "deeper")
+        os.makedirs(sub)
+        for i in range(15):
+            size = rng.choice([0, 1, 4096, 70_000, 5 * MiB])
+            _write(
+                os.path.join(sub if i % 2 else os.path.dirname(sub), f"f{i}"), rng.randbytes(size)
+            )
+    os.symlink("dir0/f0", os.path.join(root, "link"))
+
+
+def _digest(root: str) -> dict[str, str]:
+    out = {}
+    for dp, dns, fns in os.walk(root):
+        for n in fns + dns:
+            p = os.path.join(dp, n)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                out[rel] = "->" + os.readlink(p)
+            elif os.path.isfile(p):
+                out[rel] = hashlib.sha256(_read(p)).hexdigest()
+            else:
+                out[rel] = "dir"
+    return out
+
+
+def test_cp_tar_dd_rsync(mounted, tmp_path):
+    src = str(tmp_path / "src")
+    _tree(src)
+    want = _digest(src)
+    subprocess.run(["cp", "-r", src, mounted.path("cp")], check=True)
+    assert _digest(mounted.path("cp")) == want
+    tarball = str(tmp_path / "t.tar")
+    with tarfile.open(tarball, "w") as t:
+        t.add(src, arcname="src")
+    os.mkdir(mounted.path("tar"))
+    subprocess.run(["tar", "xf", tarball, "-C", mounted.path("tar")], check=True)
+    assert _digest(mounted.path("tar", "src")) == want
+    blob = str(tmp_path / "blob")
+    _write(blob, os.urandom(13 * MiB))
+    subprocess.run(
+        ["dd", f"if={blob}", f"of={mounted.path('dd')}", "bs=1M", "conv=fsync", "status=none"],
+        check=True,
+    )
+    assert _read(mounted.path("dd")) == _read(blob)
+    if not have("rsync"):
+        pytest.skip("rsync not installed (scripts/install-system.sh installs it)")
+    subprocess.run(["rsync", "-a", src + "/", mounted.path("rsync")], check=True)
+    assert _digest(mounted.path("rsync")) == want
+    # rsync again after a change: it rewrites through a temp file and renames over
+    _write(os.path.join(src, "dir1", "f0"), b"changed")
+    subprocess.run(["rsync", "-a", src + "/", mounted.path("rsync")], check=True)
+    assert _digest(mounted.path("rsync")) == _digest(src)
+
+
+def test_torch_save_load(mounted):
+    torch = pytest.importorskip("torch")
+    sd = {f"layer{i}.weight": torch.randn(256, 512) for i in range(6)}
+    sd["step"] = torch.tensor(7)
+    p = mounted.path("ckpt.pt")
+    torch.save(sd, p)
+    back = torch.load(p)
+    assert back.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(back[k], sd[k])
+
+
+def test_many_writers_at_once(mounted):
+    datas = {i: os.urandom(3 * MiB + i * 1000) for i in range(8)}
+    errors: list[BaseException] = []
+
+    def w(i: int) -> None:
+        try:
+            with open(mounted.path(f"w{i}"), "wb") as f:
+                for off in range(0, len(datas[i]), 256 * 1024):
+                    f.write(datas[i][off : off + 256 * 1024])
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=w, args=(i,)) for i in datas]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors
+    for i, d in datas.items():
+        assert _read(mounted.path(f"w{i}")) == d
+
+
+# -- consistency ---------------------------------------------------------------------------
+def test_rename_over_existing_is_atomic_for_a_reader(mounted):
+    target = mounted.path("model.pt")
+    versions = [bytes([v]) * (2 * MiB + 17) for v in range(1, 7)]
+    _write(target, versions[0])
+    stop = threading.Event()
+    bad: list[str] = []
+    reads = [0]
+
+    def reader() -> None:
+        deadline = time.monotonic() + 30
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                data = _read(target)
+            except FileNotFoundError:
+                bad.append("missing")
+                continue
+            reads[0] += 1
+            if data not in versions:
+                bad.append(f"torn read: {len(data)} bytes, first {data[:1]!r}")
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for v in versions[1:]:
+            tmp = mounted.path(".model.pt.tmp")
+            _write(tmp, v)
+            os.rename(tmp, target)
+    finally:
+        stop.set()
+        t.join(60)
+    assert not bad, bad[:3]
+    assert reads[0] > 0
+    assert _read(target) == versions[-1]
+
+
+def test_second_mount_sees_file_after_close(new_volume, mount_factory):
+    vol = new_volume()
+    a = mount_factory(vol, "a")
+    b = mount_factory(vol, "b")
+    payload = os.urandom(6 * MiB)
+    f = open(a.path("shared.bin"), "wb")
+    f.write(payload)
+    f.flush()  # in the daemon's dirty state, not committed
+    assert os.path.getsize(b.path("shared.bin")) == 0
+    f.close()
+    deadline = time.monotonic() + 5  # kernel attribute cache of mount b: 1 s
+    while time.monotonic() < deadline and os.path.getsize(b.path("shared.bin")) != len(payload):
+        time.sleep(0.1)
+    assert _read(b.path("shared.bin")) == payload
+    # and a rewrite on b is seen by a fresh open on a (its page cache is dropped)
+    _write(b.path("shared.bin"), b"v2")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _read(a.path("shared.bin")) != b"v2":
+        time.sleep(0.1)
+    assert _read(a.path("shared.bin")) == b"v2"
+
+
+# -- random operations against a model -------------------------------------------------
+def _apply(root: str, op: tuple) -> str | None:
+    """Apply one op under root; returns the errno name if it failed (must match the model)."""
+    kind = op[0]
+    try:
+        if kind == "write":
+            _, name, off, data = op
+            fd = os.open(os.path.join(root, name), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, data, off)
+            finally:
+                os.close(fd)
+        elif kind == "truncate":
+            os.truncate(os.path.join(root, op[1]), op[2])
+        elif kind == "rename":
+            os.rename(os.path.join(root, op[1]), os.path.join(root, op[2]))
+        elif kind == "unlink":
+            os.unlink(os.path.join(root, op[1]))
+        elif kind == "link":
+            os.link(os.path.join(root, op[1]), os.path.join(root, op[2]))
+        elif kind == "mkdir":
+            os.mkdir(os.path.join(root, op[1]))
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+    return None
+
+
+def _random_ops(rng: random.Random, n: int) -> list[tuple]:
+    names = ["a", "b", "c", "d/x", "d/y", "e"]
+    ops: list[tuple] = []
+    for _ in range(n):
+        k = rng.random()
+        name = rng.choice(names)
+        if k < 0.5:
+            off = rng.choice([0, rng.randrange(0, 9 * MiB), 4 * MiB - 5, 8 * MiB])
+            size = rng.choice([1, 100, 4096, 70_000, 1 * MiB, 4 * MiB + 3])
+            ops.append(("write", name, off, rng.randbytes(size)))
+        elif k < 0.62:
+            ops.append(("truncate", name, rng.choice([0, 10, 4 * MiB + 1, 12 * MiB])))
+        elif k < 0.75:
+            ops.append(("rename", name, rng.choice(names)))
+        elif k < 0.85:
+            ops.append(("unlink", name))
+        elif k < 0.95:
+            ops.append(("link", name, rng.choice(names)))
+        else:
+            ops.append(("mkdir", "d"))
+    return ops
+
+
+def test_random_ops_match_a_local_model(new_volume, mount_factory, tmp_path):
+    vol = new_volume()
+    m = mount_factory(vol, "m1")
+    model = str(tmp_path / "model")
+    os.mkdir(model)
+    rng = random.Random(1234)
+    ops = _random_ops(rng, 160)
+    for i, op in enumerate(ops):
+        if i == len(ops) // 2:  # remount in the middle: everything closed must survive
+            m.unmount()
+            m = mount_factory(vol, "m2")
+            assert _digest(m.mp) == _digest(model), "content changed across a remount"
+        got, want = _apply(m.mp, op), _apply(model, op)
+        assert got == want, f"op {i} {op[:3]}: mount {got}, model {want}"
+    assert _digest(m.mp) == _digest(model), "data mismatch against the model: data loss"
