@@ -18,6 +18,7 @@ pytest_plugins: list[str] = [
     "tests.fixtures.seaweed",
     "tests.fixtures.postgres",
     "tests.fixtures.service",
+    "tests.fixtures.mount",
 ]
 
 
