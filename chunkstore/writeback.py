@@ -58,7 +58,7 @@ DURABILITY = ("local", "remote")
 _REC = struct.Struct("<B3x16sQQ")  # kind, chunk id, stored size, time_ns
 _CRC = struct.Struct("<I")
 REC_SIZE = _REC.size + _CRC.size  # 40
-KIND_PENDING, KIND_DONE = ord("P"), ord("D")
+KIND_PENDING, KIND_UPLOADED, KIND_DONE = ord("P"), ord("U"), ord("D")
 COMPACT_BYTES = 8 * 2**20  # rewrite a segment once it holds this many bytes of records
 
 
@@ -69,8 +69,9 @@ def pack_record(kind: int, cid: bytes, size: int = 0, t_ns: int = 0) -> bytes:
 
 @dataclass
 class SegmentState:
-    pending: dict[bytes, tuple[int, int]]  # cid -> (size, staged time_ns)
-    done: dict[bytes, int]  # cid -> time_ns of its D record
+    pending: dict[bytes, tuple[int, int]]  # cid -> (size, staged time_ns): to upload
+    uploaded: dict[bytes, int]  # on the nodes, not yet marked durable in the metadata
+    done: dict[bytes, int]  # cid -> time_ns of its D (or U) record
     records: int
     torn: bool  # a partial or corrupt tail was ignored
 
@@ -78,24 +79,31 @@ class SegmentState:
 def parse_segment(data: bytes) -> SegmentState:
     """Replay a segment: records up to the first torn or corrupt one (a crash mid-append)."""
     pending: dict[bytes, tuple[int, int]] = {}
+    uploaded: dict[bytes, int] = {}
     done: dict[bytes, int] = {}
     n = 0
     for off in range(0, len(data) - REC_SIZE + 1, REC_SIZE):
         body = data[off : off + _REC.size]
         (crc,) = _CRC.unpack_from(data, off + _REC.size)
         if xxhash.xxh32_intdigest(body) != crc:
-            return SegmentState(pending, done, n, True)
+            return SegmentState(pending, uploaded, done, n, True)
         kind, cid, size, t_ns = _REC.unpack(body)
         if kind == KIND_PENDING:
             pending[cid] = (size, t_ns)
+            uploaded.pop(cid, None)
             done.pop(cid, None)
+        elif kind == KIND_UPLOADED:
+            pending.pop(cid, None)
+            uploaded[cid] = t_ns
+            done[cid] = t_ns
         elif kind == KIND_DONE:
             pending.pop(cid, None)
+            uploaded.pop(cid, None)
             done[cid] = t_ns
         else:
-            return SegmentState(pending, done, n, True)
+            return SegmentState(pending, uploaded, done, n, True)
         n += 1
-    return SegmentState(pending, done, n, len(data) % REC_SIZE != 0)
+    return SegmentState(pending, uploaded, done, n, len(data) % REC_SIZE != 0)
 
 
 def read_segment(path: str) -> SegmentState:
@@ -150,7 +158,7 @@ class GroupSync:
 class Segment:
     """This process's journal segment: flock'd for its lifetime, appended with group fsync.
 
-    It tracks its own live (P without D) records, so compaction can rewrite exactly them
+    It tracks its own live (P or U without D) records, so compaction can rewrite exactly them
     under the append lock without racing a concurrent writer."""
 
     def __init__(self, journal_dir: str, name: str) -> None:
@@ -162,7 +170,7 @@ class Segment:
         self._lock = threading.Lock()
         self._sync = GroupSync(lambda: os.fsync(self.fd))
         self._old_fds: list[int] = []
-        self.live: dict[bytes, tuple[int, int]] = {}
+        self.live: dict[bytes, tuple[int, int, int]] = {}  # cid -> (kind, size, time_ns)
         self.size = 0
 
     @staticmethod
@@ -188,16 +196,20 @@ class Segment:
         with self._lock:
             sync = self._append(data)
             for c, s, t in items:
-                self.live[c] = (s, t)
+                self.live[c] = (KIND_PENDING, s, t)
         sync.sync()
 
-    def add_done(self, ids: list[bytes]) -> None:
+    def add_done(self, ids: list[bytes], kind: int = KIND_DONE) -> None:
+        """Journal chunks as done (D) or as uploaded but not yet marked durable (U)."""
         t_ns = time.time_ns()
-        data = b"".join(pack_record(KIND_DONE, c, 0, t_ns) for c in ids)
+        data = b"".join(pack_record(kind, c, 0, t_ns) for c in ids)
         with self._lock:
             sync = self._append(data)
             for c in ids:
-                self.live.pop(c, None)
+                if kind == KIND_DONE:
+                    self.live.pop(c, None)
+                else:
+                    self.live[c] = (kind, 0, t_ns)
         sync.sync()
 
     def compact(self) -> None:
@@ -206,7 +218,7 @@ class Segment:
         a writer still waiting on the old file's fsync is unaffected (its record is in the new
         file, which is fsync'd here)."""
         with self._lock:
-            data = b"".join(pack_record(KIND_PENDING, c, s, t) for c, (s, t) in self.live.items())
+            data = b"".join(pack_record(k, c, s, t) for c, (k, s, t) in self.live.items())
             tmp = self.path + ".new"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
             try:
@@ -314,13 +326,15 @@ class WriteBehindTier:
         self._seq = 0
         self._uploading: set[bytes] = set()
         self._to_mark: list[bytes] = []
-        self._unregistered: dict[bytes, float] = {}  # uploaded; metadata does not know it yet
+        # uploaded, but the metadata does not know the chunk yet: (first try, last try)
+        self._unregistered: dict[bytes, tuple[float, float]] = {}
         self._staging: dict[bytes, threading.Event] = {}
         self._own_staged = 0  # bytes of our pending files
         self._reserved = 0  # reserved, not yet renamed into staged/
         self._used = 0  # estimate: staged/ + cache/ of every process + reserved
         self._last_freed = time.monotonic()
         self._stop = threading.Event()
+        self._mark_lock = threading.Lock()
         self.uploaded_chunks = 0
         self.uploaded_bytes = 0
         self.failures = 0
@@ -567,15 +581,19 @@ class WriteBehindTier:
         return False
 
     def _mark(self, final: bool = False) -> None:
-        """Mark uploaded chunks durable in the metadata, journal D records, free staged/."""
+        with self._mark_lock:
+            self._mark_locked(final)
+
+    def _mark_locked(self, final: bool) -> None:
+        """Mark uploaded chunks durable in the metadata and free their staged files.
+
+        A chunk the metadata does not know yet (its file is not committed) is journaled U
+        (uploaded) and its staged space freed anyway, since it is on R nodes; marking it is
+        retried every second until its commit lands (or `register_timeout`: never committed)."""
         with self._cond:
             batch, self._to_mark = self._to_mark, []
             now = time.monotonic()
-            retry = [
-                c
-                for c, t in self._unregistered.items()
-                if final or now - t > 1.0 or len(self._unregistered) > self.mark_batch
-            ]
+            retry = [c for c, (_, last) in self._unregistered.items() if final or now - last >= 1]
         if not batch and not retry:
             return
         ids = batch + retry
@@ -589,30 +607,24 @@ class WriteBehindTier:
                 with self._cond:
                     self._to_mark = batch + self._to_mark
                     for c in retry:
-                        self._unregistered[c] = now
+                        self._unregistered[c] = (self._unregistered[c][0], now)
                 return
-        given_up = []
         with self._cond:
-            for c in batch:
-                if c in unknown:
-                    self._unregistered[c] = now
-            for c in retry:
-                if c not in unknown:
-                    self._unregistered.pop(c, None)
-                elif now - self._unregistered.get(c, now) > self.register_timeout:
-                    given_up.append(c)  # its writer never committed (aborted): stop tracking
-                else:
-                    self._unregistered[c] = now
-            for c in given_up:
-                self._unregistered.pop(c, None)
+            given_up = [
+                c
+                for c in retry
+                if c in unknown and now - self._unregistered[c][0] > self.register_timeout
+            ]
         if given_up:
             log.warning("%d uploaded chunks were never committed; no longer tracked", len(given_up))
+        new_unknown = [c for c in batch if c in unknown]
         done = [c for c in ids if c not in unknown] + given_up
-        if not done:
-            return
-        self.seg.add_done(done)
+        if new_unknown:
+            self.seg.add_done(new_unknown, KIND_UPLOADED)
+        if done:
+            self.seg.add_done(done)
         freed = 0
-        for c in done:
+        for c in batch:
             src = os.path.join(self.staged_dir, c.hex())
             try:
                 if self.keep_cache:
@@ -623,7 +635,14 @@ class WriteBehindTier:
             except FileNotFoundError:
                 pass
         with self._cond:
-            for c in done:
+            for c in new_unknown:
+                self._unregistered[c] = (now, now)
+            for c in retry:
+                if c in unknown and c not in given_up:
+                    self._unregistered[c] = (self._unregistered[c][0], now)
+                else:
+                    self._unregistered.pop(c, None)
+            for c in batch:
                 ent = self._pending.pop(c, None)
                 if ent is not None:
                     self._own_staged -= ent[0]
@@ -735,6 +754,9 @@ class WriteBehindTier:
                 pass
         if carry:
             self.seg.add_pending(carry)
+        uploaded = [c for c in state.uploaded if c not in self._unregistered]
+        if uploaded:
+            self.seg.add_done(uploaded, KIND_UPLOADED)
         os.unlink(path)
         fsync_dir(self.journal_dir)
         try:
@@ -742,6 +764,9 @@ class WriteBehindTier:
         except FileNotFoundError:
             pass
         with self._cond:
+            now = time.monotonic()
+            for cid in uploaded:
+                self._unregistered[cid] = (now, 0.0)
             for cid, size, t_ns in carry:
                 if cid in self._pending:
                     continue
@@ -776,6 +801,7 @@ class WriteBehindTier:
                 "to_upload_chunks": to_upload,
                 "to_upload_bytes": sum(self._pending[c][0] for _, _, c in self._queue)
                 + sum(self._pending[c][0] for c in self._uploading if c in self._pending),
+                "undurable_bytes": sum(s for s, _ in self._pending.values()),
                 "awaiting_commit_chunks": len(self._unregistered),
                 "oldest_pending_ns": oldest,
                 "uploaded_chunks": self.uploaded_chunks,
@@ -815,13 +841,14 @@ class WriteBehindTier:
         last = -1
         while True:
             with self._cond:
-                left = sum(s for c, (s, _) in self._pending.items() if c not in self._unregistered)
+                left = sum(s for s, _ in self._pending.values())
                 busy = bool(self._queue or self._uploading or self._to_mark)
             total = max(total, left)
             if progress is not None and total - left != last:
                 last = total - left
                 progress(last, total)
             if not busy and left == 0:
+                self._mark(final=True)  # files committed since their upload: mark them now
                 return
             if end is not None and time.monotonic() > end:
                 raise TimeoutError(f"staging {self.root}: {left} bytes still not durable")

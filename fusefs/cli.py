@@ -27,6 +27,7 @@ COMMAND_MODULES: list[str] = [
     "fusefs.cli_mount",
     "fusefs.cli_service",
     "fusefs.cli_ops",
+    "fusefs.cli_tier",
     "bench.cli",
 ]
 

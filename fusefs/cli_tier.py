@@ -1,0 +1,143 @@
+"""`ckptfs status` and `ckptfs flush`: what the host's write-behind tier still holds.
+
+Both read the staging directory itself (journals, per-process status files), so they work
+whether the processes that staged the data are alive, busy or dead: `flush` adopts the
+journals of dead processes and uploads their chunks, and waits for the live ones to drain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from chunkstore.writeback import default_staging_dir, scan_staging
+from fusefs.progress import Progress
+from fusefs.units import format_size
+
+
+def _staging(args: argparse.Namespace, vol) -> str:
+    return os.path.abspath(args.staging or default_staging_dir(vol.config["uuid"]))
+
+
+def _rate(bps: float) -> str:
+    return f"{format_size(bps)}/s"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from fusefs.cli import UserError, open_volume
+
+    with open_volume(args.volume) as vol:
+        root = _staging(args, vol)
+        if args.staging and not os.path.isdir(root):
+            raise UserError(f"no staging directory at {root}")
+        st = scan_staging(root) if os.path.isdir(root) else scan_staging_empty(root)
+        st["volume_staged_chunks"] = vol.stats()["staged_chunks"]
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    age = st["oldest_pending_age_s"]
+    print(f"staging      {st['staging']} (host {st['host']})")
+    print(
+        f"pending      {st['pending_chunks']} chunks, {format_size(st['pending_bytes'])}"
+        + (f", oldest {age:.1f}s ago" if age is not None else "")
+    )
+    print(f"upload rate  {_rate(st['upload_rate_bps'])}")
+    print(f"staged/cache {format_size(st['staged_bytes'])} / {format_size(st['cache_bytes'])}")
+    print(f"volume       {st['volume_staged_chunks']} chunks not yet durable (all hosts)")
+    for s in st["segments"]:
+        who = f"pid {s['pid']}" if s["live"] else "orphaned (owner died; next flush uploads it)"
+        err = f", last error: {s['last_error']}" if s["last_error"] else ""
+        print(
+            f"  {s['segment']}: {who}: {s['pending_chunks']} chunks, "
+            f"{format_size(s['pending_bytes'])}, {_rate(s['upload_rate_bps'])}{err}"
+        )
+    return 0
+
+
+def scan_staging_empty(root: str) -> dict:
+    import socket
+
+    return {
+        "staging": root,
+        "host": socket.gethostname(),
+        "pending_chunks": 0,
+        "pending_bytes": 0,
+        "oldest_pending_age_s": None,
+        "upload_rate_bps": 0.0,
+        "staged_bytes": 0,
+        "cache_bytes": 0,
+        "segments": [],
+    }
+
+
+def _others_left(root: str, own: str, since: float) -> int | None:
+    """Bytes other live processes still have to make durable; None while a status is stale."""
+    left = 0
+    for s in scan_staging(root)["segments"]:
+        if s["segment"] == own or not s["pending_chunks"]:
+            continue
+        if not s["live"]:
+            return None  # orphaned: our tier adopts it on its next pass
+        try:
+            with open(os.path.join(root, "status", s["segment"][:-4] + ".json")) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if info.get("updated", 0) < since:
+            return None
+        left += int(info.get("undurable_bytes", s["pending_bytes"]))
+    return left
+
+
+def cmd_flush(args: argparse.Namespace) -> int:
+    from fusefs.cli import UserError, open_volume
+
+    start = time.time()
+    end = None if args.timeout is None else time.monotonic() + args.timeout
+    with open_volume(args.volume) as vol:
+        root = _staging(args, vol)
+        if not os.path.isdir(root):
+            if args.staging:
+                raise UserError(f"no staging directory at {root}")
+            print("nothing staged on this host")
+            return 0
+        tier = vol.attach_tier(root, durability="local")
+        total = scan_staging(root)["pending_bytes"]
+        with Progress(total, "flush") as bar:
+            while True:
+                own = tier.stats()["undurable_bytes"]
+                others = _others_left(root, tier.seg.name, start)
+                left = own + (others if others is not None else total)
+                if others is not None:
+                    done = max(0, total - left)
+                    if done > bar.done:
+                        bar.update(done - bar.done)
+                    if left == 0 and tier.drained():
+                        break
+                if end is not None and time.monotonic() > end:
+                    raise UserError(
+                        f"flush timed out after {args.timeout}s with {format_size(left)} "
+                        f"not yet durable (see `ckptfs status {args.volume}`)"
+                    )
+                time.sleep(0.2)
+        staged = vol.stats()["staged_chunks"]
+    print(f"flushed {root}: everything staged on this host is on the object nodes")
+    if staged:
+        print(f"note: {staged} chunks are still staged on other hosts")
+    return 0
+
+
+def register(sub) -> None:
+    s = sub.add_parser("status", help="write-behind tier: pending chunks, upload rate")
+    s.add_argument("volume")
+    s.add_argument("--staging", metavar="DIR", help="staging directory (default: per volume)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    f = sub.add_parser("flush", help="wait until this host's staged chunks are durable")
+    f.add_argument("volume")
+    f.add_argument("--staging", metavar="DIR", help="staging directory (default: per volume)")
+    f.add_argument("--timeout", type=float, default=None, metavar="SECONDS")
+    f.set_defaults(func=cmd_flush)

@@ -1,0 +1,393 @@
+"""The write-behind tier for real: separate processes, kill -9, throttled nodes, shared cache."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from chunkstore import codec
+from chunkstore.writeback import (
+    KIND_DONE,
+    KIND_PENDING,
+    REC_SIZE,
+    GroupSync,
+    pack_record,
+    parse_segment,
+    read_segment,
+)
+from fusefs.cli import main as cli_main
+from fusefs.volume import FileWriter, Volume, VolumeSettings
+from tests.fixtures.throttle import read_counts, throttle_volume
+
+MiB = 2**20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _data(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _wait(pred, timeout: float, what: str, step: float = 0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _check_journals(staging: str) -> int:
+    """Every pending record names a whole, verified staged file; returns pending count."""
+    pending = 0
+    jdir = os.path.join(staging, "journal")
+    for name in os.listdir(jdir):
+        if not name.endswith(".log"):
+            continue
+        st = read_segment(os.path.join(jdir, name))
+        for cid, (size, _t) in st.pending.items():
+            path = os.path.join(staging, "staged", cid.hex())
+            assert os.path.exists(path), f"journal {name} names missing {cid.hex()}"
+            with open(path, "rb") as f:
+                blob = f.read()
+            assert len(blob) == size
+            codec.verify(blob)
+            pending += 1
+    return pending
+
+
+@pytest.fixture
+def vol_path(tmp_path):
+    path = str(tmp_path / "vol")
+    Volume.create(path, nodes=4, settings=VolumeSettings(chunk_size=1 * MiB, replicas=2)).close()
+    return path
+
+
+def _open(path: str, staging: str, rate: float | None = None, **kw) -> Volume:
+    vol = Volume.open(path)
+    throttle_volume(vol, rate)
+    vol.attach_tier(staging, **kw)
+    return vol
+
+
+# -- journal mechanics -----------------------------------------------------------------------
+
+
+def test_journal_torn_tail_and_corrupt_record_are_ignored():
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    recs = pack_record(KIND_PENDING, a, 10, 1) + pack_record(KIND_PENDING, b, 20, 2)
+    recs += pack_record(KIND_DONE, a, 0, 3)
+    st = parse_segment(recs)
+    assert st.pending == {b: (20, 2)} and set(st.done) == {a} and not st.torn
+    torn = parse_segment(recs + pack_record(KIND_PENDING, c, 5, 4)[: REC_SIZE - 3])
+    assert torn.torn and torn.pending == {b: (20, 2)}
+    bad = bytearray(recs + pack_record(KIND_PENDING, c, 5, 4))
+    bad[-10] ^= 0xFF  # a flipped bit in the last record: checksum fails, record ignored
+    st2 = parse_segment(bytes(bad))
+    assert st2.torn and c not in st2.pending
+
+
+def test_group_sync_shares_fsyncs():
+    calls = []
+
+    def slow_sync():
+        calls.append(1)
+        time.sleep(0.02)
+
+    g = GroupSync(slow_sync)
+    threads = [threading.Thread(target=g.sync) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 1 <= len(calls) < 32  # one fsync acknowledged many writers
+
+
+# -- durability=local vs throttled nodes, checkpoints ---------------------------------------
+
+
+def _save_rank(vol: Volume, job: str, step: int, rank: int, data: bytes) -> None:
+    w = FileWriter(vol, 0)
+    w.write(data)
+    w.close(commit=False)
+    vol.meta.commit_rank(
+        job,
+        step,
+        rank,
+        [
+            {
+                "path": f"rank-{rank}.distcp",
+                "size": w.size,
+                "extents": w.extents,
+                "new_chunks": list(w.new_chunks.values()),
+            }
+        ],
+    )
+
+
+def test_local_save_at_local_speed_latest_durable_lags(vol_path, tmp_path):
+    rate = 6e6  # bytes/s for all nodes together
+    vol = _open(vol_path, str(tmp_path / "staging"), rate=rate, size=256 * MiB)
+    try:
+        blobs = [_data(8 * MiB, r) for r in range(2)]
+        vol.meta.begin("job", 1, 2)
+        t0 = time.perf_counter()
+        for r, d in enumerate(blobs):
+            _save_rank(vol, "job", 1, r, d)
+        save_s = time.perf_counter() - t0
+        upload_s = sum(map(len, blobs)) * 2 / rate  # R = 2 replicas through the cap
+        assert save_s < upload_s / 3, (save_s, upload_s)
+        assert vol.meta.latest("job") == 1
+        assert vol.meta.latest_durable("job") is None
+        assert vol.stats()["staged_chunks"] > 0
+        assert _check_journals(vol.tier.root) > 0
+        seen = []
+        vol.tier.flush(lambda done, total: seen.append((done, total)), timeout=60)
+        assert seen[-1][0] == seen[-1][1] > 0
+        assert vol.meta.latest_durable("job") == 1
+        assert vol.stats()["staged_chunks"] == 0
+    finally:
+        vol.close()
+    with Volume.open(vol_path) as plain:  # no tier: straight from the object nodes
+        for r, d in enumerate(blobs):
+            assert plain.read_file(f"job/step-000001/rank-{r}.distcp") == d
+
+
+def test_remote_durability_is_durable_on_return(vol_path, tmp_path):
+    vol = _open(vol_path, str(tmp_path / "staging"), durability="remote", size=64 * MiB)
+    try:
+        data = _data(5 * MiB, 7)
+        vol.write_file("/r", data)
+        assert vol.stats()["staged_chunks"] == 0
+        assert os.listdir(os.path.join(vol.tier.root, "staged")) == []
+        assert vol.read_file("/r") == data  # served from the host cache
+    finally:
+        vol.close()
+
+
+# -- crash: kill -9 mid-upload ---------------------------------------------------------------
+
+WRITER = r"""
+import sys, time, numpy as np
+from fusefs.volume import Volume
+from tests.fixtures.throttle import throttle_volume
+vol = Volume.open(sys.argv[1])
+throttle_volume(vol, float(sys.argv[3]))
+vol.attach_tier(sys.argv[2], size=512 * 2**20)
+for i in range(3):
+    vol.write_file(f"/f{i}", np.random.default_rng(i).integers(0, 256, 6 * 2**20 + i * 12345,
+                                                         dtype=np.uint8).tobytes())
+print("SAVED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_kill9_mid_upload_then_recovery_uploads_everything(vol_path, tmp_path):
+    staging = str(tmp_path / "staging")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, vol_path, staging, "3e6"],
+        stdout=subprocess.PIPE,
+        env=_env(),
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "SAVED"
+        nodes_dir = os.path.join(vol_path, "nodes")
+
+        def some_uploaded():
+            return any(
+                files for n in os.listdir(nodes_dir) for _, _, files in os.walk(f"{nodes_dir}/{n}")
+            )
+
+        _wait(some_uploaded, 30, "the first uploads")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    datas = [_data(6 * MiB + i * 12345, i) for i in range(3)]
+    pending = _check_journals(staging)
+    assert pending > 0, "the kill should have caught chunks not yet uploaded"
+    for name in os.listdir(os.path.join(staging, "staged")):  # no half-written file in staged/
+        with open(os.path.join(staging, "staged", name), "rb") as f:
+            codec.verify(f.read())
+    with Volume.open(vol_path) as vol:
+        assert vol.stats()["staged_chunks"] > 0
+        tier = vol.attach_tier(staging)
+        assert tier.stats()["pending_chunks"] == pending  # the orphaned journal was adopted
+        tier.flush(timeout=60)
+        assert vol.stats()["staged_chunks"] == 0
+        assert tier.stats()["lost_chunks"] == 0
+    assert [n for n in os.listdir(os.path.join(staging, "journal")) if n.endswith(".log")] == []
+    with Volume.open(vol_path) as plain:
+        for i, d in enumerate(datas):
+            assert plain.read_file(f"/f{i}") == d
+            for e in plain.meta.get_extents(plain.resolve(f"/f{i}").ino):
+                assert sum(n.exists(e.chunk_id) for n in plain.store.nodes) >= 2
+
+
+# -- back-pressure ----------------------------------------------------------------------------
+
+
+def test_staging_full_writers_block_and_resume(vol_path, tmp_path):
+    budget = 6 * MiB
+    vol = _open(vol_path, str(tmp_path / "staging"), rate=40e6, size=budget, keep_cache=False)
+    staged_dir = os.path.join(vol.tier.root, "staged")
+    peak = [0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(0.01):
+            total = 0
+            for n in os.listdir(staged_dir):
+                try:
+                    total += os.path.getsize(os.path.join(staged_dir, n))
+                except FileNotFoundError:
+                    pass
+            peak[0] = max(peak[0], total)
+
+    datas = {f"/w{i}": _data(12 * MiB, 100 + i) for i in range(2)}
+    errors: list[BaseException] = []
+
+    def writer(path: str, data: bytes) -> None:
+        try:
+            vol.write_file(path, data)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    mon = threading.Thread(target=watch)
+    mon.start()
+    try:
+        ts = [threading.Thread(target=writer, args=kv) for kv in datas.items()]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        assert not errors, errors
+        assert vol.tier.stats()["writer_waits"] > 0
+        vol.tier.flush(timeout=60)
+        # chunks uploaded before their file was committed were marked once it was
+        assert vol.stats()["staged_chunks"] == 0
+    finally:
+        stop.set()
+        mon.join()
+        vol.close()
+    assert peak[0] <= budget + MiB + 1024, peak[0]  # header overhead per object
+    with Volume.open(vol_path) as plain:
+        for p, d in datas.items():
+            assert plain.read_file(p) == d
+
+
+def test_enospc_only_when_nothing_can_drain(vol_path, tmp_path, caplog):
+    vol = Volume.open(vol_path)
+    link = throttle_volume(vol)
+    vol.attach_tier(str(tmp_path / "staging"), size=3 * MiB, stall_timeout=1.0)
+    try:
+        link.down = True
+        with pytest.raises(OSError) as ei:
+            vol.write_file("/x", _data(6 * MiB, 3))
+        assert ei.value.errno == errno.ENOSPC
+        assert "nothing drained" in caplog.text
+        link.down = False  # nodes back: what was staged drains, a new save succeeds
+        vol.tier.flush(timeout=60)
+        data = _data(6 * MiB, 4)
+        vol.write_file("/y", data)
+        vol.tier.flush(timeout=60)
+        assert vol.read_file("/y") == data
+    finally:
+        vol.close()
+
+
+# -- read cache + cross-process single flight -----------------------------------------------
+
+READER = r"""
+import hashlib, os, sys, time
+from fusefs.volume import Volume
+from tests.fixtures.throttle import throttle_volume
+vol = Volume.open(sys.argv[1])
+throttle_volume(vol, 200e6, count_file=sys.argv[3])
+vol.attach_tier(sys.argv[2], size=256 * 2**20)
+print("READY", flush=True)
+while not os.path.exists(sys.argv[4]):
+    time.sleep(0.005)
+print(hashlib.sha256(vol.read_file("/cold")).hexdigest(), flush=True)
+vol.close()
+"""
+
+
+def test_eight_processes_fetch_each_chunk_once(vol_path, tmp_path):
+    data = _data(12 * MiB + 5, 42)
+    with Volume.open(vol_path) as vol:  # written straight to the nodes: cold for the host
+        vol.write_file("/cold", data)
+        n_chunks = len({e.chunk_id for e in vol.meta.get_extents(vol.resolve("/cold").ino)})
+    staging, counts, go = (str(tmp_path / n) for n in ("staging", "gets.log", "go"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", READER, vol_path, staging, counts, go],
+            stdout=subprocess.PIPE,
+            env=_env(),
+            text=True,
+        )
+        for _ in range(8)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "READY"
+        open(go, "w").close()
+        digests = [p.stdout.readline().strip() for p in procs]
+        for p in procs:
+            assert p.wait(60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert set(digests) == {hashlib.sha256(data).hexdigest()}
+    got = read_counts(counts)
+    assert len(got) == n_chunks and set(got.values()) == {1}, got
+
+
+# -- visibility -------------------------------------------------------------------------------
+
+
+def test_status_and_flush_commands(vol_path, tmp_path, capsys):
+    staging = str(tmp_path / "staging")
+    vol = Volume.open(vol_path)
+    link = throttle_volume(vol)
+    vol.attach_tier(staging, size=64 * MiB)
+    link.down = True  # nothing drains while we look
+    vol.write_file("/s", _data(3 * MiB, 9))
+    time.sleep(1.2)  # let the status file catch up
+    try:
+        assert cli_main(["status", vol_path, "--staging", staging, "--json"]) == 0
+        st = json.loads(capsys.readouterr().out)
+        assert st["pending_chunks"] == 3 and st["pending_bytes"] > 3 * MiB
+        assert st["volume_staged_chunks"] == 3
+        assert st["oldest_pending_age_s"] >= 1.0
+        assert [s["live"] for s in st["segments"]] == [True]
+        assert cli_main(["status", vol_path, "--staging", staging]) == 0
+        assert "3 chunks" in capsys.readouterr().out
+        assert cli_main(["flush", vol_path, "--staging", staging, "--timeout", "1"]) == 1
+        assert "timed out" in capsys.readouterr().err
+        link.down = False
+        assert cli_main(["flush", vol_path, "--staging", staging, "--timeout", "60"]) == 0
+        assert "flushed" in capsys.readouterr().out
+        assert vol.stats()["staged_chunks"] == 0
+    finally:
+        vol.close()
+    assert cli_main(["status", vol_path, "--staging", str(tmp_path / "nope")]) == 1
+    assert "no staging directory" in capsys.readouterr().err
