@@ -27,7 +27,7 @@ import pickle
 import re
 import socket
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from fusefs.volume import FileWriter, Volume
-from metadata.engine import Extent, MetaError
+from metadata.engine import Extent, MetaError, NewChunk
 
 __all__ = ["CkptfsWriter", "CkptfsReader", "latest_step", "resume_path", "parse_ckpt_path"]
 
@@ -74,19 +74,43 @@ class CkptfsError(RuntimeError):
 
 
 # -- one Volume per process and spec ---------------------------------------------------------
-_VOLUMES: dict[tuple[int, str], Volume] = {}
+_VOLUMES: dict[tuple, Volume] = {}
 _VLOCK = threading.Lock()
 
 
-def _volume(spec: str) -> Volume:
-    """Open the volume once per process (the writer itself never holds one: it must pickle)."""
-    key = (os.getpid(), spec)
+TierSpec = (
+    tuple[str | None, str, int | None] | None
+)  # (staging dir or None=default, durability, size)
+
+
+def _volume(spec: str, tier: TierSpec = None) -> Volume:
+    """Open the volume once per process (the writer itself never holds one: it must pickle).
+
+    With `tier`, the host write-behind tier is attached: saves return once chunks are
+    staged on local disk, and reads go through the host read cache with single-flight.
+    """
+    key = (os.getpid(), spec, tier)
     with _VLOCK:
         vol = _VOLUMES.get(key)
         if vol is None:
             vol = Volume.open(spec)
+            if tier is not None:
+                try:
+                    vol.attach_tier(tier[0], tier[2], tier[1])
+                except BaseException:
+                    vol.close()
+                    raise
             _VOLUMES[key] = vol
         return vol
+
+
+def _tier_spec(staging: str | os.PathLike | bool | None, durability: str, size: int | None):
+    if staging is None or staging is False:
+        return None
+    if durability not in ("local", "remote"):
+        raise ValueError(f"durability must be local or remote, not {durability!r}")
+    where = None if staging is True else os.path.abspath(os.fspath(staging))
+    return (where, durability, size)
 
 
 def close_volumes() -> None:
@@ -194,12 +218,16 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         deadline_s: float = 600.0,
         publish_timeout: float = 120.0,
         cache_staged_state_dict: bool = False,
+        staging: str | os.PathLike | bool | None = None,
+        durability: str = "local",
+        staging_size: int | None = None,
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         if not isinstance(thread_count, int) or not 1 <= thread_count <= 64:
             raise ValueError("thread_count must be an integer in 1..64")
         self.volume = _spec(volume)
+        self.tier = _tier_spec(staging, durability, staging_size)
         self._job_arg, self._step_arg = job, step
         self.path = _norm_path(path)
         self.job, self.step = parse_ckpt_path(self.path, job, step)
@@ -248,12 +276,14 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         self._pending = []
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        _volume(self.volume)  # open early: a bad volume fails the plan step on every rank
+        _volume(
+            self.volume, self.tier
+        )  # open early: a bad volume fails the plan step on every rank
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: open the step (hidden until every rank has committed)."""
-        meta = _volume(self.volume).meta
+        meta = _volume(self.volume, self.tier).meta
         try:
             info = meta.begin(
                 self.job, self.step, len(plans), path=self.path, deadline_s=self.deadline_s
@@ -299,7 +329,7 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         else:
             buckets = [[it] for it in items]
         names = [f"{rp.prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
-        vol = _volume(self.volume)
+        vol = _volume(self.volume, self.tier)
         work = list(zip(names, buckets, strict=True))
         if self.thread_count == 1 or len(work) <= 1:
             done = [_write_file(vol, name, b, planner) for name, b in work]
@@ -311,7 +341,7 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
 
     def _commit(self, files: list[dict]) -> dict:
         assert self._plan is not None
-        meta = _volume(self.volume).meta
+        meta = _volume(self.volume, self.tier).meta
         return meta.commit_rank(
             self._plan.job, self._plan.step, self.rank, files, host=socket.gethostname()[:255]
         )
@@ -320,7 +350,7 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         rp = self._plan
         job, step = (rp.job, rp.step) if rp is not None else (self.job, self.step)
         try:
-            _volume(self.volume).meta.abort(job, step, reason[:500])
+            _volume(self.volume, self.tier).meta.abort(job, step, reason[:500])
         except Exception:  # noqa: S110 - the original error is the one to report
             pass
 
@@ -333,7 +363,7 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
                 storage_md.update({wr.index: wr.storage_data for wr in wr_list})
             metadata.storage_data = storage_md
             metadata.storage_meta = self.storage_meta()
-            vol = _volume(self.volume)
+            vol = _volume(self.volume, self.tier)
             w = FileWriter(vol, 0)
             try:
                 w.write(pickle.dumps(metadata))
@@ -373,7 +403,7 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _file_record(name: str, w: FileWriter) -> dict:
+def _file_record(name: str, w: FileWriter | _ChunkFile) -> dict:
     return {
         "path": name,
         "size": w.size,
@@ -382,11 +412,104 @@ def _file_record(name: str, w: FileWriter) -> dict:
     }
 
 
+_FLOAT_WIDTH = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.float64: 8}
+
+
+class _ChunkFile:
+    """A volume file being written, never committed to the namespace (commit_rank does that).
+
+    Like fusefs.volume.FileWriter, plus what DCP knows: a forced cut at every item, a
+    codec hint per chunk from the item's dtype (float byte-grouping of the right width,
+    ~2.5x faster than probing for bf16), and bigger "which exist?" batches.
+    """
+
+    def __init__(self, vol: Volume, batch: int, inflight: int) -> None:
+        self.vol = vol
+        self.chunker = vol.make_chunker()
+        self.batch_n = batch
+        self.inflight_max = inflight
+        self.size = 0
+        self.extents: list[Extent] = []
+        self.new_chunks: dict[bytes, NewChunk] = {}
+        self.hint: tuple[str | None, int | None] = (None, None)
+        self._batch: list[tuple[int, bytes, tuple[str | None, int | None]]] = []
+        self._inflight: deque[tuple[CFuture, int]] = deque()
+        self._inflight_bytes = 0
+        self._planned: set[bytes] = set()
+
+    def set_dtype(self, dtype: torch.dtype | None) -> None:
+        width = _FLOAT_WIDTH.get(dtype) if dtype is not None else None
+        if width is not None and self.vol.settings.compression == "auto":
+            self.hint = ("float", width)
+        else:
+            self.hint = (None, None)
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        for ch in self.chunker.feed(data):
+            self._add(ch)
+        return n
+
+    def cut(self) -> None:
+        for ch in self.chunker.cut():
+            self._add(ch)
+
+    def _add(self, raw: bytes) -> None:
+        self._batch.append((self.size, raw, self.hint))
+        self.size += len(raw)
+        if len(self._batch) >= self.batch_n:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        ids = self.vol.hash_many([raw for _, raw, _ in batch])
+        ask = [cid for cid in dict.fromkeys(ids) if cid not in self._planned]
+        missing = self.vol.meta.missing_chunks(ask) if ask else set()
+        for (off, raw, (codec_name, width)), cid in zip(batch, ids, strict=True):
+            self.extents.append(Extent(off, len(raw), cid, 0))
+            if cid in missing and cid not in self._planned:
+                self._planned.add(cid)
+                while self._inflight and self._inflight_bytes + len(raw) > self.inflight_max:
+                    self._reap()
+                fut = self.vol.pool.submit(self.vol.store_chunk, cid, raw, codec_name, width)
+                self._inflight.append((fut, len(raw)))
+                self._inflight_bytes += len(raw)
+
+    def _reap(self) -> None:
+        fut, n = self._inflight.popleft()
+        self._inflight_bytes -= n
+        rec = fut.result()
+        self.new_chunks[rec.chunk_id] = rec
+
+    def close(self) -> None:
+        for ch in self.chunker.finish():
+            self._add(ch)
+        self._flush()
+        while self._inflight:
+            self._reap()
+
+    def abort(self) -> None:
+        while self._inflight:
+            fut, _ = self._inflight.popleft()
+            fut.cancel()
+            try:
+                fut.result()
+            except BaseException:  # noqa: S110 - the first error is the one reported
+                pass
+
+
 def _write_file(
-    vol: Volume, name: str, items: list[WriteItem], planner: SavePlanner
+    vol: Volume,
+    name: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
+    batch: int = 16,
+    inflight: int = 64 * 2**20,
 ) -> tuple[list[WriteResult], dict]:
     """One .distcp file, in FileSystemWriter's order: byte items, then tensors."""
-    w = FileWriter(vol, 0)
+    w = _ChunkFile(vol, batch, inflight)
     results: list[WriteResult] = []
     try:
         for item in [i for i in items if i.type == WriteItemType.BYTE_IO]:
@@ -394,17 +517,19 @@ def _write_file(
             if not isinstance(data, io.BytesIO):
                 raise TypeError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}")
             w.cut()
+            w.set_dtype(None)
             off = w.size
             n = w.write(data.getbuffer())
             results.append(_result(item, name, off, n))
         for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
             t = _cpu_tensor(planner.resolve_data(item))
             w.cut()  # item boundary = chunk boundary: unchanged tensors dedup
+            w.set_dtype(t.dtype)
             off = w.size
             sink = _Sink(w)
             torch.save(t, sink)
             results.append(_result(item, name, off, sink.n))
-        w.close(commit=False)
+        w.close()
     except BaseException:
         w.abort()
         raise
@@ -420,10 +545,17 @@ class CkptfsReader(StorageReader):
     """StorageReader from a ckptfs volume: parallel chunk fetches ordered by file offset."""
 
     def __init__(
-        self, volume: str | os.PathLike, path: str, *, read_window: int = READ_WINDOW
+        self,
+        volume: str | os.PathLike,
+        path: str,
+        *,
+        read_window: int = READ_WINDOW,
+        staging: str | os.PathLike | bool | None = None,
+        staging_size: int | None = None,
     ) -> None:
         super().__init__()
         self.volume = _spec(volume)
+        self.tier = _tier_spec(staging, "local", staging_size)
         self.path = _norm_path(path)
         self.read_window = max(1, int(read_window))
         self.storage_data: dict[Any, Any] = {}
@@ -450,7 +582,7 @@ class CkptfsReader(StorageReader):
         return False
 
     def _file(self, rel: str) -> tuple[int, list[Extent]]:
-        vol = _volume(self.volume)
+        vol = _volume(self.volume, self.tier)
         full = f"{self.path}/{rel}"
         try:
             attr = vol.resolve(full)
@@ -475,7 +607,9 @@ class CkptfsReader(StorageReader):
         size, extents = self._file(name)
         data = b"".join(
             bytes(b)
-            for b in _assemble(_volume(self.volume), extents, [(0, size)], self.read_window)
+            for b in _assemble(
+                _volume(self.volume, self.tier), extents, [(0, size)], self.read_window
+            )
         )
         metadata = pickle.loads(data)  # noqa: S301 - DCP's own format (FileSystemReader does the same)
         if getattr(metadata, "storage_meta", None) is None:
@@ -506,7 +640,7 @@ class CkptfsReader(StorageReader):
         return fut
 
     def _read_all(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        vol = _volume(self.volume)
+        vol = _volume(self.volume, self.tier)
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)

@@ -407,9 +407,13 @@ class Volume:
             return [chunk_id(raws[0], self.seed)]
         return list(self.pool.map(lambda r: chunk_id(r, self.seed), raws))
 
-    def store_chunk(self, cid: bytes, raw: bytes, codec_name: str | None = None) -> NewChunk:
-        """Encode and store one chunk (blocking); returns its record for commit."""
-        blob = codec.encode(raw, codec_name or self.settings.compression)
+    def store_chunk(
+        self, cid: bytes, raw: bytes, codec_name: str | None = None, elem_width: int | None = None
+    ) -> NewChunk:
+        """Encode and store one chunk (blocking); returns its record for commit.
+
+        `elem_width` is a float-width hint (DCP knows each tensor's dtype; probing costs more)."""
+        blob = codec.encode(raw, codec_name or self.settings.compression, elem_width=elem_width)
         if self.tier is not None:
             state = self.tier.put(cid, blob)
         else:
