@@ -103,9 +103,9 @@ def _alive(pid: int) -> bool:
 
 # -- mount -----------------------------------------------------------------------------
 def _check_mountpoint(mp: str) -> None:
-    if not os.path.lexists(mp):
+    state = "none" if not mount_fstype(mp) and not os.path.lexists(mp) else mount_state(mp)
+    if state == "none" and not os.path.lexists(mp):
         raise MountError(f"mountpoint {mp} does not exist")
-    state = mount_state(mp)
     if state == "disconnected":
         raise MountError(
             f"{mp} is a disconnected mount (its daemon died): run `ckptfs umount {mp}` first"

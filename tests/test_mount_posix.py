@@ -1,0 +1,224 @@
+"""The mount as a daemon and as a multi-user filesystem: permissions, lifecycle, crashes."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.fixtures.mount import is_mounted
+
+MiB = 2**20
+NOBODY = pwd.getpwnam("nobody")
+
+# The test interpreter may live where nobody cannot read it (/root/.pyenv): use the system one.
+OTHER_PYTHON = next(
+    (p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)), None
+)
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or OTHER_PYTHON is None, reason="needs root and a system python3 for nobody"
+)
+
+
+@pytest.fixture
+def public_dir():
+    """A directory other users can traverse (pytest's tmp dirs are 0700 for root)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="ckptfs-mnt-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _as_nobody(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run python code as nobody; it prints the errno name of its failure, or OK."""
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setgid(NOBODY.pw_gid)
+        os.setuid(NOBODY.pw_uid)
+
+    wrapper = (
+        "import errno, os, sys\n"
+        "try:\n" + "".join(f"    {line}\n" for line in code.splitlines()) + "    print('OK')\n"
+        "except OSError as e:\n"
+        "    print(errno.errorcode[e.errno])\n"
+    )
+    return subprocess.run(
+        [OTHER_PYTHON, "-S", "-c", wrapper, *args],
+        preexec_fn=drop,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd="/",
+    )
+
+
+@needs_root
+def test_allow_other_enforces_modes(public_dir, new_volume, mount_factory):
+    m = mount_factory(new_volume(), os.path.join(public_dir, "mnt"), "--allow-other")
+    os.chmod(m.mp, 0o755)
+    secret = m.path("secret")
+    with open(secret, "wb") as f:
+        f.write(b"root only")
+    os.chmod(secret, 0o600)
+    public = m.path("public")
+    with open(public, "wb") as f:
+        f.write(b"everyone")
+    os.chmod(public, 0o644)
+    assert _as_nobody("open(sys.argv[1], 'rb').read()", secret).stdout.strip() == "EACCES"
+    assert _as_nobody("open(sys.argv[1], 'rb').read()", public).stdout.strip() == "OK"
+    assert _as_nobody("open(sys.argv[1], 'ab')", public).stdout.strip() == "EACCES"
+    assert _as_nobody("open(sys.argv[1] + '/new', 'wb')", m.mp).stdout.strip() == "EACCES"
+
+
+@needs_root
+def test_without_allow_other_other_users_are_out(public_dir, new_volume, mount_factory):
+    mounted = mount_factory(new_volume(), os.path.join(public_dir, "mnt"))
+    os.chmod(mounted.mp, 0o755)
+    with open(mounted.path("f"), "wb") as f:
+        f.write(b"x")
+    os.chmod(mounted.path("f"), 0o644)
+    res = _as_nobody("os.stat(sys.argv[1])", mounted.path("f"))
+    assert res.stdout.strip() == "EACCES"
+
+
+@needs_root
+def test_chmod_chown_rules(public_dir, new_volume, mount_factory):
+    m = mount_factory(new_volume(), os.path.join(public_dir, "mnt"), "--allow-other")
+    os.chmod(m.mp, 0o777)
+    mine = m.path("nobodys")
+    assert _as_nobody("open(sys.argv[1], 'wb').write(b'n')", mine).stdout.strip() == "OK"
+    st = os.stat(mine)
+    assert (st.st_uid, st.st_gid) == (NOBODY.pw_uid, NOBODY.pw_gid)  # owner = the caller
+    assert _as_nobody("os.chmod(sys.argv[1], 0o600)", mine).stdout.strip() == "OK"
+    assert os.stat(mine).st_mode & 0o777 == 0o600
+    # only root may give a file away
+    assert _as_nobody("os.chown(sys.argv[1], 0, -1)", mine).stdout.strip() == "EPERM"
+    roots = m.path("roots")
+    open(roots, "wb").close()
+    os.chmod(roots, 0o666)
+    assert _as_nobody("os.chmod(sys.argv[1], 0o777)", roots).stdout.strip() == "EPERM"
+    assert _as_nobody("os.chown(sys.argv[1], 65534, -1)", roots).stdout.strip() == "EPERM"
+    os.chown(roots, NOBODY.pw_uid, NOBODY.pw_gid)  # root may
+    st = os.stat(roots)
+    assert (st.st_uid, st.st_gid) == (NOBODY.pw_uid, NOBODY.pw_gid)
+    os.utime(roots, ns=(1_000_000_000, 2_000_000_000))
+    assert os.stat(roots).st_mtime_ns == 2_000_000_000
+
+
+def test_kill9_leaves_disconnected_mount_that_umount_cleans(new_volume, mount_factory):
+    vol = new_volume()
+    m = mount_factory(vol, "mnt")
+    closed = {f"f{i}": os.urandom(i * 700_000 + 1) for i in range(6)}
+    for name, data in closed.items():
+        with open(m.path(name), "wb") as f:
+            f.write(data)
+    os.mkdir(m.path("dir"))
+    with open(m.path("dir", "g"), "wb") as f:
+        f.write(b"in a dir")
+    pending = open(m.path("open-at-kill"), "wb")  # never closed: may be lost, must not break
+    pending.write(os.urandom(MiB))
+    pending.flush()
+    m.proc.send_signal(signal.SIGKILL)
+    m.proc.wait(timeout=30)
+    with pytest.raises(OSError) as e:
+        os.stat(m.mp)
+    assert e.value.errno == errno.ENOTCONN  # "Transport endpoint is not connected"
+    try:
+        pending.close()
+    except OSError:
+        pass
+    again = m.cli("mount", vol, m.mp)  # a disconnected mountpoint is a clear error
+    assert again.returncode != 0 and "umount" in again.stderr and "Traceback" not in again.stderr
+    res = m.cli("umount", m.mp)
+    assert res.returncode == 0, res.stderr
+    assert not is_mounted(m.mp)
+    m2 = mount_factory(vol, "mnt")
+    for name, data in closed.items():
+        with open(m2.path(name), "rb") as f:
+            assert f.read() == data, name
+    with open(m2.path("dir", "g"), "rb") as f:
+        assert f.read() == b"in a dir"
+
+
+def test_sigterm_unmounts_cleanly_and_publishes_open_files(new_volume, mount_factory):
+    vol = new_volume()
+    m = mount_factory(vol, "mnt")
+    f = open(m.path("open"), "wb")
+    f.write(b"written, not closed")
+    f.flush()
+    m.proc.send_signal(signal.SIGTERM)
+    assert m.proc.wait(timeout=30) == 0
+    assert not is_mounted(m.mp)
+    try:
+        f.close()
+    except OSError:
+        pass
+    m2 = mount_factory(vol, "mnt2")
+    with open(m2.path("open"), "rb") as g:
+        assert g.read() == b"written, not closed"
+
+
+def test_busy_mountpoint_and_bad_input(new_volume, mounted, tmp_path):
+    res = mounted.cli("mount", mounted.volume, mounted.mp)
+    assert res.returncode != 0 and "already a mount point" in res.stderr
+    assert "Traceback" not in res.stderr
+    res = mounted.cli("mount", str(tmp_path / "no-volume"), str(tmp_path))
+    assert res.returncode != 0 and "no volume" in res.stderr and "Traceback" not in res.stderr
+    res = mounted.cli("mount", mounted.volume, str(tmp_path / "missing-dir"))
+    assert res.returncode != 0 and "does not exist" in res.stderr
+    res = mounted.cli("umount", str(tmp_path))
+    assert res.returncode != 0 and "not mounted" in res.stderr
+    with open(mounted.path("busy"), "wb"):
+        res = mounted.cli("umount", mounted.mp)
+        assert res.returncode != 0 and "busy" in res.stderr and "Traceback" not in res.stderr
+    assert is_mounted(mounted.mp)
+
+
+def test_background_default_volume_and_umount(mount_env, tmp_path):
+    mp = str(tmp_path / "bg")
+    os.mkdir(mp)
+    res = subprocess.run(
+        [sys.executable, "-m", "fusefs.cli", "mount", mp, "--background"],
+        env=mount_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    try:
+        assert res.returncode == 0, res.stderr
+        assert is_mounted(mp)  # ready when the command returned
+        with open(os.path.join(mp, "hello"), "wb") as f:
+            f.write(b"default volume")
+        default = os.path.join(mount_env["XDG_DATA_HOME"], "ckptfs", "default")
+        assert os.path.exists(os.path.join(default, "volume.json"))
+        res = subprocess.run(
+            [sys.executable, "-m", "fusefs.cli", "umount", "--flush", mp],
+            env=mount_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert res.returncode == 0, res.stderr
+        assert not is_mounted(mp)
+    finally:
+        if is_mounted(mp):
+            subprocess.run(["fusermount3", "-u", "-z", mp], capture_output=True, timeout=30)
+            time.sleep(0.5)
+    ls = subprocess.run(
+        [sys.executable, "-m", "fusefs.cli", "ls", default],
+        env=mount_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "hello" in ls.stdout
