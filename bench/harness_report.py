@@ -1,0 +1,295 @@
+"""What a harness run produced: per-step numbers, the verdict, the table, JSON and plots.
+
+The verdict is a pure function of the step records (`judge`), so tests can check it on
+real runs whose data or ranks were broken on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+
+from fusefs.units import format_size
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def step_summary(rec, cfg) -> dict:
+    """Numbers of one step from its raw rank records."""
+    saved = [r for r in rec.save if "done" in r]
+    save_lat = [r["done"] - rec.start for r in saved]
+    last_sent = max((r["sent"] for r in saved), default=None)
+    if rec.published:
+        save_s = rec.published - rec.start
+    else:
+        save_s = max(save_lat) if save_lat else None
+    logical = sum(r["logical"] for r in saved)
+    stored = sum(r["stored"] for r in saved)
+    loaded = [r for r in rec.load if "done" in r]
+    load_lat = [r["done"] - rec.load_start for r in loaded]
+    load_s = max(load_lat) if load_lat else None
+    load_bytes = sum(r["bytes"] for r in rec.load)
+    bad_loads = [r for r in rec.load if not r.get("ok")]
+    info = rec.info or {}
+    hosts = {r["rank"]: r.get("host", "") for r in info.get("ranks", [])}
+    return {
+        "step": rec.step,
+        "state": rec.state,
+        "reason": rec.reason,
+        "faults": rec.faults,
+        "save_s": _r(save_s),
+        "save_gbps": _r(logical / 1e9 / save_s, 3) if save_s and rec.published else None,
+        "publish_ms": _r((rec.published - last_sent) * 1e3, 1)
+        if rec.published and last_sent
+        else None,
+        "save_p50_s": _r(_pct(save_lat, 0.5)),
+        "save_p99_s": _r(_pct(save_lat, 0.99)),
+        "save_max_s": _r(max(save_lat) if save_lat else None),
+        "ranks_committed": len(saved),
+        "rank_errors": [f"{r['rank']}: {r['error']}" for r in rec.save if r.get("error")][:10],
+        "killed_ranks": [r["rank"] for r in rec.save if r.get("killed")],
+        "logical_bytes": logical,
+        "stored_bytes": stored,
+        "stored_ratio": _r(stored / logical, 4) if logical else None,
+        "stragglers": [f"{s}@{hosts.get(s) or '?'}" for s in info.get("stragglers", [])],
+        "loaded_step": rec.loaded_step,
+        "latest_after": rec.latest_after,
+        "load_s": _r(load_s),
+        "load_gbps": _r(load_bytes / 1e9 / load_s, 3) if load_s else None,
+        "load_p50_s": _r(_pct(load_lat, 0.5)),
+        "load_p99_s": _r(_pct(load_lat, 0.99)),
+        "load_max_s": _r(max(load_lat) if load_lat else None),
+        "verified": sum(1 for r in rec.load if r.get("ok")),
+        "verify_failures": [f"{r['rank']}: {r['error']}" for r in bad_loads][:10],
+        "save_latency_s": [_r(x, 4) for x in save_lat],
+        "save_done_at": [_r(r["done"] - rec.start, 4) for r in saved],
+        "load_done_at": [_r(r["done"] - rec.load_start, 4) for r in loaded],
+        "t_save": rec.start,
+        "t_load": rec.load_start,
+    }
+
+
+def judge(steps: list[dict], ranks: int, flush: dict | None, latest, durable) -> dict:
+    """Pass only if every step published with every byte verified, or was aborted where a
+    fault was injected with the previous published step still latest and verified."""
+    lines, ok = [], True
+    last_published = None
+    for s in steps:
+        n = s["step"]
+        injected = any(f.startswith("kill-") for f in s["faults"])
+        if s["state"] == "published":
+            if s["verified"] == ranks and not s["verify_failures"]:
+                lines.append(f"step {n}: published, {ranks}/{ranks} ranks verified")
+            else:
+                ok = False
+                why = "; ".join(s["verify_failures"][:3]) or "missing load results"
+                lines.append(
+                    f"step {n}: FAIL published but {s['verified']}/{ranks} verified ({why})"
+                )
+            last_published = n
+        elif s["state"] == "aborted":
+            prev_ok = (
+                s["loaded_step"] == last_published
+                and s["latest_after"] == last_published
+                and (last_published is None or s["verified"] == ranks)
+            )
+            if not injected:
+                ok = False
+                lines.append(f"step {n}: FAIL aborted without an injected fault ({s['reason']})")
+            elif not prev_ok:
+                ok = False
+                lines.append(
+                    f"step {n}: FAIL aborted, but the previous step is not intact "
+                    f"(latest {s['latest_after']}, {s['verified']}/{ranks} verified)"
+                )
+            else:
+                lines.append(
+                    f"step {n}: aborted ({s['reason']}); previous step {last_published} "
+                    f"intact, {s['verified']}/{ranks} ranks verified"
+                )
+        else:
+            ok = False
+            lines.append(f"step {n}: FAIL left {s['state']}")
+    if flush is not None:
+        if flush["ok"] and durable == latest:
+            lines.append(
+                f"drain: every staged chunk durable in {flush['s']:.1f}s "
+                f"(latest_durable = latest = {latest})"
+            )
+        else:
+            ok = False
+            lines.append(
+                f"drain: FAIL latest {latest}, latest_durable {durable}, errors {flush['errors']}"
+            )
+    return {"ok": ok, "verdict": "PASS" if ok else "FAIL", "lines": lines}
+
+
+def build_report(cfg, job, chunk, steps, baseline, flush, latest, durable, stats, killed, t_run):
+    summaries = [step_summary(r, cfg) for r in steps]
+    verdict = judge(summaries, cfg.ranks, flush, latest, durable)
+    conf = asdict(cfg)
+    conf["chunk_size"] = chunk
+    published = [s for s in summaries if s["state"] == "published" and s["save_gbps"]]
+    best = max((s["save_gbps"] for s in published), default=None)
+    return {
+        "bench": "harness",
+        "config": conf,
+        "job": job,
+        "cpus": os.cpu_count(),
+        "elapsed_s": round(time.time() - t_run, 2),
+        "baseline_disk": baseline,
+        "save_vs_disk": round(best / baseline["gbps"], 3) if best and baseline["gbps"] else None,
+        "steps": summaries,
+        "flush": flush,
+        "latest": latest,
+        "latest_durable": durable,
+        "killed_node": killed,
+        "volume_stats": stats,
+        "verdict": verdict,
+    }
+
+
+def format_table(rep: dict) -> str:
+    """The final table: one line per step, then stragglers, faults and the verdict."""
+    head = (
+        f"{'STEP':>4} {'STATE':9} {'SAVE_S':>7} {'GB/S':>6} {'PUB_MS':>7} "
+        f"{'P50_S':>6} {'P99_S':>6} {'MAX_S':>6} {'LOAD_S':>7} {'GB/S':>6} "
+        f"{'L_P99':>6} {'LOGICAL':>10} {'STORED':>10} {'RATIO':>6}  STRAGGLERS"
+    )
+
+    def f(x, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    out = [head]
+    for s in rep["steps"]:
+        strag = ", ".join(s["stragglers"][:6]) or "-"
+        if len(s["stragglers"]) > 6:
+            strag += f" (+{len(s['stragglers']) - 6})"
+        out.append(
+            f"{s['step']:>4} {s['state']:9} {f(s['save_s'], '.2f'):>7} "
+            f"{f(s['save_gbps'], '.3f'):>6} {f(s['publish_ms'], '.1f'):>7} "
+            f"{f(s['save_p50_s'], '.2f'):>6} {f(s['save_p99_s'], '.2f'):>6} "
+            f"{f(s['save_max_s'], '.2f'):>6} {f(s['load_s'], '.2f'):>7} "
+            f"{f(s['load_gbps'], '.3f'):>6} {f(s['load_p99_s'], '.2f'):>6} "
+            f"{format_size(s['logical_bytes']):>10} {format_size(s['stored_bytes']):>10} "
+            f"{f(s['stored_ratio'], '.3f'):>6}  {strag}"
+        )
+    for s in rep["steps"]:
+        if s["faults"]:
+            out.append(f"step {s['step']} faults: {'; '.join(s['faults'])}")
+        if s["rank_errors"] and not s["killed_ranks"]:
+            out.append(f"step {s['step']} rank errors: {'; '.join(s['rank_errors'][:3])}")
+    b = rep["baseline_disk"]
+    out.append(
+        f"baseline: plain write+fsync of {format_size(b['bytes'])} at {b['gbps']:.3f} GB/s; "
+        f"best save / baseline = {rep['save_vs_disk']}"
+    )
+    out.append(f"verdict: {rep['verdict']['verdict']}")
+    out.extend(f"  {line}" for line in rep["verdict"]["lines"])
+    return "\n".join(out)
+
+
+def write_json(rep: dict, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(rep, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def plot(rep: dict, out_dir: str) -> list[str]:
+    """PNGs: save-latency CDF per step, throughput over time, stored bytes per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    c = rep["config"]
+    title = f"{c['ranks']} ranks, {c['hosts']} hosts, {format_size(c['shard_size'])} shards"
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in rep["steps"]:
+        lat = sorted(x for x in s["save_latency_s"] if x is not None)
+        if lat:
+            ys = [(i + 1) / len(lat) for i in range(len(lat))]
+            ax.plot(lat, ys, label=f"step {s['step']} ({s['state']})")
+    ax.set_xlabel("per-rank save latency (s): start -> commit acknowledged")
+    ax.set_ylabel("fraction of ranks")
+    ax.set_title(f"Save latency CDF: {title}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out_dir, "save_latency_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    t0 = min((s["t_save"] for s in rep["steps"]), default=0)
+    shard = c["shard_size"]
+    for kind, key, base in (("save", "save_done_at", "t_save"), ("load", "load_done_at", "t_load")):
+        times = sorted(
+            s[base] - t0 + x for s in rep["steps"] for x in s[key] if x is not None and s[base]
+        )
+        if not times:
+            continue
+        width = max(0.05, (times[-1] - times[0]) / 80 if len(times) > 1 else 0.1)
+        buckets: dict[int, int] = {}
+        for t in times:
+            buckets[int(t / width)] = buckets.get(int(t / width), 0) + shard
+        xs = sorted(buckets)
+        ax.bar(
+            [x * width for x in xs],
+            [buckets[x] / 1e9 / width for x in xs],
+            width=width,
+            alpha=0.6,
+            label=kind,
+            align="edge",
+        )
+    ax.set_xlabel("time since the first save started (s)")
+    ax.set_ylabel("GB/s (ranks completing x shard size)")
+    ax.set_title(f"Throughput over time: {title}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out_dir, "throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    steps = [s["step"] for s in rep["steps"]]
+    ax.bar(
+        [x - 0.2 for x in steps],
+        [s["logical_bytes"] / 2**20 for s in rep["steps"]],
+        0.4,
+        label="logical",
+    )
+    ax.bar(
+        [x + 0.2 for x in steps],
+        [s["stored_bytes"] / 2**20 for s in rep["steps"]],
+        0.4,
+        label="stored (new, encoded)",
+    )
+    ax.set_xticks(steps)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MiB")
+    ax.set_title(f"Stored vs logical bytes per step (change rate {c['change_rate']})")
+    ax.legend()
+    paths.append(_save(fig, out_dir, "stored_bytes.png"))
+    return paths
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
