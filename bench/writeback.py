@@ -6,7 +6,10 @@ the same bytes to the same disk in the same run (measured before and after, aver
 Reports save_vs_disk (disk time / save time, target >= 0.9), drain_s (save end until every
 chunk is durable) and the same save with durability=remote for contrast. One JSON object.
 
-    python -m bench.writeback [--size 2GiB] [--rate 50e6] [--dir DIR]
+    python -m bench.writeback [--size 2GiB] [--rate 50e6] [--dir DIR] [--mount]
+
+With --mount, the same saves also go through a real FUSE mount (`ckptfs mount --durability`),
+its nodes throttled inside the daemon; the drain is `user.ckptfs.flush` (umount --flush).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +46,73 @@ def _disk(base: str, total: int, seed: int) -> float:
     return secs
 
 
-def run(total: int, rate: float, base: str) -> dict:
+MOUNT_WRAPPER = r"""
+import sys
+import fusefs.cli_mount as cm
+from tests.fixtures.throttle import throttle_volume
+
+rate, orig = float(sys.argv[1]), cm.attach_tier
+
+
+def throttled(vol, *a):
+    throttle_volume(vol, rate)
+    return orig(vol, *a)
+
+
+cm.attach_tier = throttled
+from fusefs.cli import main
+
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _mounted(mp: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == mp for line in f)
+
+
+def _mount_save(base: str, vol_dir: str, total: int, rate: float, mode: str, seed: int) -> dict:
+    """The same save through a real FUSE mount (nodes throttled inside the daemon)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    mp = os.path.join(base, f"mnt-{mode}")
+    os.makedirs(mp, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=root, XDG_DATA_HOME=os.path.join(base, "xdg"))
+    cmd = [sys.executable, "-c", MOUNT_WRAPPER, str(rate), "mount", vol_dir, mp]
+    cmd += ["--staging", os.path.join(base, "staging"), "--staging-size", str(2 * total)]
+    cmd += ["--durability", mode]
+    log = open(os.path.join(base, f"mount-{mode}.log"), "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    out: dict = {}
+    try:
+        end = time.monotonic() + 30
+        while not _mounted(mp):
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"mount did not come up (see {log.name})")
+            time.sleep(0.1)
+        t0 = time.perf_counter()
+        with open(os.path.join(mp, f"{mode}.bin"), "wb", buffering=0) as f:
+            for piece in UniqueBlocks(seed).pieces(total):
+                f.write(piece)
+            os.fsync(f.fileno())
+        out["save_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        os.setxattr(mp, "user.ckptfs.flush", b"1")
+        out["drain_s"] = round(time.perf_counter() - t0, 2)
+    finally:
+        if _mounted(mp):
+            subprocess.run(
+                [sys.executable, "-m", "fusefs.cli", "umount", mp], env=env, capture_output=True
+            )
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    return out
+
+
+def run(total: int, rate: float, base: str, mount: bool = False) -> dict:
     vol_dir = os.path.join(base, "vol")
     Volume.create(vol_dir, nodes=4, settings=VolumeSettings(chunk_size=4 * MiB, replicas=2)).close()
     out: dict = {"bytes": total, "node_cap_MBps": rate / 1e6, "replicas": 2}
@@ -92,6 +162,19 @@ def run(total: int, rate: float, base: str) -> dict:
             "peak_rss_mib": round(peak_rss_mib(), 1),
         }
     )
+    if mount:
+        try:
+            loc = _mount_save(base, vol_dir, total, rate, "local", 5)
+            rem = _mount_save(base, vol_dir, total, rate, "remote", 6)
+            out["mount"] = {
+                "local_save_s": loc["save_s"],
+                "save_vs_disk": round(disk_s / loc["save_s"], 3),
+                "drain_s": loc["drain_s"],
+                "remote_save_s": rem["save_s"],
+                "local_vs_remote_speedup": round(rem["save_s"] / loc["save_s"], 2),
+            }
+        except (OSError, RuntimeError) as e:
+            out["mount"] = {"error": str(e)}
     return out
 
 
@@ -100,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="2GiB")
     p.add_argument("--rate", type=float, default=50e6, help="aggregate node cap, bytes/s")
     p.add_argument("--dir", default=None, help="scratch directory (on the disk to measure)")
+    p.add_argument("--mount", action="store_true", help="also save through a FUSE mount")
     args = p.parse_args(argv)
     base = tempfile.mkdtemp(prefix="ckptfs-bench-wb-", dir=args.dir)
     try:
-        print(json.dumps(run(parse_size(args.size), args.rate, base)))
+        print(json.dumps(run(parse_size(args.size), args.rate, base, args.mount)))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return 0
