@@ -214,9 +214,7 @@ class _Checker:
             for p in fixes:
                 p.why_not = "no good replica left to copy from"
             return
-        if not self.repair:
-            return
-        if fixes:
+        if self.repair and fixes:
             blob = self._source_blob(cid, good, raw_len)
             for p in fixes:
                 node = self.by_name[p.node]  # type: ignore[index]
@@ -229,23 +227,27 @@ class _Checker:
                     good[node.name] = blob
                 except NodeError as e:
                     p.why_not = f"rewrite failed: {e}"
-        if all(n.name in good for n in placement):
-            with self._lock:
-                self.healed.append(cid)
-            for name in [n for n in good if n not in {p.name for p in placement}]:
-                p = self.report.add(
-                    Problem(
-                        "extra_replica",
-                        f"chunk {h} has a copy off its placement on {name}",
-                        chunk=h,
-                        node=name,
-                    )
+        if not all(n.name in good for n in placement):
+            return  # keep every off-placement copy until the placement is whole
+        with self._lock:
+            self.healed.append(cid)
+        home = {n.name for n in placement}
+        for name in [n for n in good if n not in home]:
+            p = self.report.add(
+                Problem(
+                    "extra_replica",
+                    f"chunk {h} has a copy off its placement on {name}",
+                    chunk=h,
+                    node=name,
                 )
-                try:
-                    self.by_name[name].delete(cid)
-                    p.repaired = True
-                except NodeError as e:
-                    p.why_not = f"delete failed: {e}"
+            )
+            if not self.repair:
+                continue
+            try:
+                self.by_name[name].delete(cid)
+                p.repaired = True
+            except NodeError as e:
+                p.why_not = f"delete failed: {e}"
 
     def _source_blob(self, cid: bytes, good: dict[str, bytes | None], raw_len) -> bytes | None:
         for name, blob in good.items():
