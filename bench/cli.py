@@ -17,10 +17,9 @@ def _rate(text: str) -> float:
 def cmd_bench(args: argparse.Namespace) -> int:
     from bench.harness import HarnessConfig, HarnessError, run
     from bench.harness_report import format_table, plot, write_json
-    from fusefs.cli import UserError
 
     if bool(args.volume) == bool(args.embedded):
-        raise UserError(
+        raise HarnessError(
             "give either VOLUME (a volume directory or ckptfs://HOST:PORT) or --embedded"
         )
     cfg = HarnessConfig(
@@ -50,10 +49,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         workdir=args.workdir,
     )
-    try:
-        rep = run(cfg)
-    except HarnessError as e:
-        raise UserError(str(e)) from None
+    rep = run(cfg)
     print(format_table(rep))
     if args.json:
         write_json(rep, args.json)

@@ -37,8 +37,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_TIMEOUT = 180.0
 
 
-class HarnessError(Exception):
-    """The harness could not run (bad options, environment failure): one line for the user."""
+class HarnessError(ValueError):
+    """The harness could not run (bad options, environment failure): one line for the user.
+
+    A ValueError, so `ckptfs` prints it as one line however the CLI module was imported."""
 
 
 @dataclass

@@ -58,7 +58,13 @@ class Env:
             self.url = c.volume
             return
         if c.volume is not None:
+            from fusefs.volume import VOLUME_FILE
+
             vol_dir = os.path.abspath(c.volume)
+            if not os.path.exists(os.path.join(vol_dir, VOLUME_FILE)):
+                raise HarnessError(
+                    f"no volume at {c.volume} (run `ckptfs format {c.volume}` first)"
+                )
         else:
             from fusefs.volume import Volume, VolumeSettings
 

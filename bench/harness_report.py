@@ -89,7 +89,10 @@ def judge(steps: list[dict], ranks: int, flush: dict | None, latest, durable) ->
         n = s["step"]
         injected = any(f.startswith("kill-") for f in s["faults"])
         if s["state"] == "published":
-            if s["verified"] == ranks and not s["verify_failures"]:
+            if any(f.startswith("kill-rank") for f in s["faults"]):
+                ok = False
+                lines.append(f"step {n}: FAIL published although a rank was killed")
+            elif s["verified"] == ranks and not s["verify_failures"]:
                 lines.append(f"step {n}: published, {ranks}/{ranks} ranks verified")
             else:
                 ok = False

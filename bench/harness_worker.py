@@ -149,8 +149,10 @@ def write_shard(st: WorkerState, host: Host, step: int, rank: int, kill: bool) -
         blocks[0] = bytes([blocks[0][0] ^ 0xFF]) + blocks[0][1:]
     w = FileWriter(host.vol, 0)
     try:
-        for i, blk in enumerate(blocks):
-            if kill and i >= max(1, len(blocks) // 2):
+        half = st.maker.shard_size // 2
+        for blk in blocks:
+            if kill and w.size + len(blk) > half:
+                w.write(blk[: half - w.size])
                 w.flush_data()  # half the shard is staged when the rank dies
                 raise RankKilled(f"rank {rank} killed mid-save (injected)")
             w.write(blk)

@@ -32,8 +32,9 @@ EMB_ROWS, EMB_DIM = 8192, 64  # per rank
 IN, HID, OUT = 512, 1024, 16
 
 
-class DemoError(Exception):
-    """The demo could not run (no FUSE, mount failed...): one line for the user."""
+class DemoError(ValueError):
+    """The demo could not run (no FUSE, mount failed...): one line for the user (the CLI
+    prints ValueErrors as one line)."""
 
 
 def _free_port() -> int:
@@ -275,24 +276,23 @@ def _remove_job(spec: str, job: str) -> None:
 
 
 def run_demo(steps: int = 3, keep: bool = False, temp_volume: bool = False) -> int:
-    from fusefs.cli import UserError
     from fusefs.defaults import ensure_default_volume
 
     if not 1 <= steps <= 20:
-        raise UserError("--steps must be 1..20")
+        raise DemoError("--steps must be 1..20")
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise UserError("the demo needs torch: pip install -e '.[torch]'") from None
+        raise DemoError("the demo needs torch: pip install -e '.[torch]'") from None
     if not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"):
-        raise UserError("the demo needs FUSE 3 (/dev/fuse, fusermount3): run `make install`")
+        raise DemoError("the demo needs FUSE 3 (/dev/fuse, fusermount3): run `make install`")
     t0 = time.time()
     work = tempfile.mkdtemp(prefix="ckptfs-demo-")
     spec = os.path.join(work, "vol") if temp_volume else ensure_default_volume()
     if temp_volume:
         res = _cli("format", spec)
         if res.returncode:
-            raise UserError(f"cannot format {spec}: {res.stderr.strip()}")
+            raise DemoError(f"cannot format {spec}: {res.stderr.strip()}")
     mnt = os.path.join(work, "mnt")
     os.makedirs(mnt)
     job = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -302,13 +302,13 @@ def run_demo(steps: int = 3, keep: bool = False, temp_volume: bool = False) -> i
         print(f"ckptfs demo: mounting {spec} at {mnt} ...", file=sys.stderr, flush=True)
         res = _cli("mount", spec, mnt, "--background", "--log", os.path.join(work, "mount.log"))
         if res.returncode or not _mounted(mnt):
-            raise UserError(f"mount failed: {res.stderr.strip()}")
+            raise DemoError(f"mount failed: {res.stderr.strip()}")
         mounted = True
         print(f"ckptfs demo: {WORLD} ranks train {steps} steps ...", file=sys.stderr, flush=True)
         try:
             _spawn_ranks(_free_port(), spec, mnt, job, steps, out)
         except Exception as e:
-            raise UserError(f"a demo rank failed: {e}") from None
+            raise DemoError(f"a demo rank failed: {e}") from None
         with open(out) as f:
             result = json.load(f)
     finally:

@@ -1,0 +1,190 @@
+"""The load-test harness: real runs (meta serve, worker processes, tiers) and its verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bench.harness import HarnessConfig, HarnessError, run
+from bench.harness_report import format_table, judge, plot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = dict(ranks=64, hosts=2, shard_size=64 * 1024, progress=False)
+
+
+def _cfg(tmp_path, **kw) -> HarnessConfig:
+    return HarnessConfig(**{**SMALL, "workdir": str(tmp_path), **kw})
+
+
+def test_small_run_end_to_end(tmp_path):
+    rep = run(
+        _cfg(tmp_path, steps=2, change_rate=0.25, chunk_size=64 * 1024, shard_size=256 * 1024)
+    )
+    assert rep["verdict"]["ok"], rep["verdict"]
+    s1, s2 = rep["steps"]
+    for s in (s1, s2):
+        assert s["state"] == "published"
+        assert s["verified"] == 64 and not s["verify_failures"]
+        assert s["ranks_committed"] == 64 and s["publish_ms"] is not None
+        assert s["save_p50_s"] <= s["save_p99_s"] <= s["save_max_s"]
+    assert s1["stored_ratio"] == pytest.approx(1.0, abs=0.01)  # random data: nothing to save
+    assert 0.1 < s2["stored_ratio"] < 0.45  # ~25% of the blocks changed
+    assert rep["latest"] == rep["latest_durable"] == 2
+    table = format_table(rep)
+    assert "verdict: PASS" in table and "published" in table
+    paths = plot(rep, str(tmp_path / "plots"))
+    assert all(os.path.getsize(p) > 1000 for p in paths)
+    assert not os.listdir(tmp_path) or os.listdir(tmp_path) == ["plots"]  # env removed
+
+
+def test_corrupted_data_fails_the_verdict(tmp_path):
+    # rank 5 writes bytes that differ from its seed at step 1: the store is self-consistent,
+    # only the harness's verification can notice, and it must fail the run.
+    rep = run(_cfg(tmp_path, steps=1, corrupt=[1, 5]))
+    assert not rep["verdict"]["ok"]
+    s = rep["steps"][0]
+    assert s["state"] == "published"
+    assert s["verified"] == 63
+    assert s["verify_failures"][0].startswith("5: content differs")
+    assert "FAIL" in format_table(rep)
+
+
+def test_killed_rank_aborts_step_and_keeps_previous(tmp_path):
+    rep = run(_cfg(tmp_path, steps=3, kill_rank=True, deadline=4.0))
+    assert rep["verdict"]["ok"], rep["verdict"]
+    s1, s2, s3 = rep["steps"]
+    assert s1["state"] == "published" and s3["state"] == "published"
+    assert s2["state"] == "aborted" and "missing ranks 32" in s2["reason"]
+    assert s2["killed_ranks"] == [32]
+    assert s2["loaded_step"] == 1 and s2["latest_after"] == 1 and s2["verified"] == 64
+
+
+def test_killed_node_mid_save_still_verifies(tmp_path):
+    rep = run(_cfg(tmp_path, steps=2, kill_node=True, fault_step=1, durability="remote"))
+    assert rep["verdict"]["ok"], rep["verdict"]
+    assert rep["killed_node"] == "n0"
+    assert any(f.startswith("kill-node n0") for f in rep["steps"][0]["faults"])
+    assert all(s["verified"] == 64 for s in rep["steps"])
+
+
+def _summary(step: int, state: str, *, verified: int = 4, faults=(), loaded=None, latest=None):
+    return {
+        "step": step,
+        "state": state,
+        "reason": "",
+        "faults": list(faults),
+        "verified": verified,
+        "verify_failures": [] if verified == 4 else ["1: content differs"],
+        "loaded_step": loaded if loaded is not None else step,
+        "latest_after": latest if latest is not None else step,
+    }
+
+
+def test_judge_rules():
+    ok = [_summary(1, "published"), _summary(2, "published")]
+    assert judge(ok, 4, None, 2, 2)["ok"]
+    # one rank's bytes wrong after publish
+    assert not judge([_summary(1, "published", verified=3)], 4, None, 1, 1)["ok"]
+    # an abort nobody caused
+    bad = [_summary(1, "published"), _summary(2, "aborted", loaded=1, latest=1)]
+    assert not judge(bad, 4, None, 1, 1)["ok"]
+    # an abort from a killed rank with the previous step intact
+    good = [
+        _summary(1, "published"),
+        _summary(2, "aborted", faults=["kill-rank 2"], loaded=1, latest=1),
+    ]
+    assert judge(good, 4, None, 1, 1)["ok"]
+    # ... but not if `latest` moved or the previous step no longer verifies
+    moved = [
+        _summary(1, "published"),
+        _summary(2, "aborted", faults=["kill-rank 2"], loaded=1, latest=2),
+    ]
+    assert not judge(moved, 4, None, 1, 1)["ok"]
+    lost = [
+        _summary(1, "published"),
+        _summary(2, "aborted", faults=["kill-rank 2"], loaded=1, latest=1, verified=2),
+    ]
+    assert not judge(lost, 4, None, 1, 1)["ok"]
+    # staged data that never became durable
+    assert not judge(ok, 4, {"ok": False, "s": 1.0, "errors": ["x"]}, 2, 1)["ok"]
+    assert not judge([_summary(1, "open")], 4, None, None, None)["ok"]
+
+
+def test_bad_options_are_one_line_errors(tmp_path):
+    with pytest.raises(HarnessError, match="fault-step"):
+        _cfg(tmp_path, steps=1, kill_rank=True, fault_step=1).validate()
+    with pytest.raises(HarnessError, match="change-rate"):
+        _cfg(tmp_path, change_rate=1.5).validate()
+    with pytest.raises(HarnessError, match="only with --embedded"):
+        _cfg(tmp_path, volume=str(tmp_path), kill_node=True).validate()
+
+    def cli(*args: str):
+        return subprocess.run(
+            [sys.executable, "-m", "fusefs.cli", "bench", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    res = cli("--ranks", "8")
+    assert res.returncode == 1 and "either VOLUME" in res.stderr and "Traceback" not in res.stderr
+    res = cli("--embedded", "--hosts", "9", "--ranks", "8")
+    assert res.returncode == 1 and "--hosts" in res.stderr and "Traceback" not in res.stderr
+    res = cli(
+        str(tmp_path / "nothing-here"),
+        "--ranks",
+        "4",
+        "--hosts",
+        "1",
+        "--steps",
+        "1",
+        "--workdir",
+        str(tmp_path),
+    )
+    assert res.returncode == 1 and "no volume" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_json_and_exit_status(tmp_path):
+    out = tmp_path / "r.json"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fusefs.cli",
+            "bench",
+            "--embedded",
+            "--ranks",
+            "16",
+            "--hosts",
+            "2",
+            "--shard-size",
+            "64KiB",
+            "--steps",
+            "1",
+            "--data",
+            "bf16",
+            "--json",
+            str(out),
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "verdict: PASS" in res.stdout
+    rep = json.loads(out.read_text())
+    assert rep["steps"][0]["verified"] == 16
+    assert rep["steps"][0]["stored_ratio"] < 0.95  # bf16 weights compress
+
+
+def test_judge_killed_rank_cannot_publish():
+    s = _summary(2, "published", faults=["kill-rank 2"])
+    assert not judge([_summary(1, "published"), s], 4, None, 2, 2)["ok"]
