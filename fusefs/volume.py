@@ -561,7 +561,7 @@ def _merge(extents: list[Extent]) -> list[Extent]:
 class FileReader:
     """Range reads over a file's extents, with read-ahead of the following chunks."""
 
-    def __init__(self, vol: Volume, attr: Attr, *, readahead: int = 4) -> None:
+    def __init__(self, vol: Volume, attr: Attr, *, readahead: int = 16) -> None:
         self.vol = vol
         self.attr = attr
         self.size = attr.size
