@@ -279,3 +279,19 @@ def test_writer_pickles_without_a_volume(volume):
     w = CkptfsWriter(volume.base_dir, "p/step-3", thread_count=2)
     w2 = pickle.loads(pickle.dumps(w))
     assert (w2.volume, w2.job, w2.step, w2.thread_count) == (volume.base_dir, "p", 3, 2)
+
+
+def test_save_and_load_through_the_write_behind_tier(volume, tmp_path):
+    """staging=DIR: chunks are staged on local disk first; the reader finds them via the tier."""
+    vol, staging = volume.base_dir, str(tmp_path / "staging")
+    sd = {f"t{i}": W.full(i, 1) for i in range(3)} | {"meta": {"k": "v"}}
+    dcp.save(sd, storage_writer=CkptfsWriter(vol, "tier/step-1", staging=staging), no_dist=True)
+    out = {f"t{i}": torch.zeros_like(W.full(i, 1)) for i in range(3)} | {"meta": {"k": ""}}
+    rd = CkptfsReader(vol, "tier/step-1", staging=staging)
+    dcp.load(out, storage_reader=rd, no_dist=True)
+    assert all(torch.equal(out[f"t{i}"], W.full(i, 1)) for i in range(3))
+    assert out["meta"] == {"k": "v"}
+    assert latest_step(vol, "tier") == 1
+    with pytest.raises(ValueError):
+        CkptfsWriter(vol, "tier/step-2", staging=staging, durability="sometimes")
+    close_volumes()
