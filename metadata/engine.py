@@ -36,6 +36,9 @@ class MetaError(Exception):
         super().__init__(message)
         self.errno = err
 
+    def __reduce__(self):  # errors cross process boundaries (DCP gathers them from ranks)
+        return (type(self), (self.errno, str(self)))
+
 
 @dataclass
 class Attr:
