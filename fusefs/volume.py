@@ -263,7 +263,7 @@ class Volume:
         return self.tier
 
     # -- namespace by path ------------------------------------------------
-    def resolve(self, path: str | bytes, *, follow: bool = True) -> Attr:
+    def resolve(self, path: str | bytes) -> Attr:
         attr = self.meta.getattr(ROOT_INO)
         for name in split_path(path):
             if not attr.is_dir:
@@ -527,7 +527,7 @@ class FileWriter:
             raise
         if commit:
             self.attr = self.vol.meta.commit_file(
-                self.ino, _merge(self.extents), self.size, list(self.new_chunks.values())
+                self.ino, self.extents, self.size, list(self.new_chunks.values())
             )
         return self.attr
 
@@ -552,10 +552,6 @@ class FileWriter:
             self.close()
         else:
             self.abort()
-
-
-def _merge(extents: list[Extent]) -> list[Extent]:
-    return extents  # extents from a stream are already sorted and disjoint
 
 
 class FileReader:
