@@ -29,15 +29,16 @@ from typing import Any
 
 import xxhash
 
-from metadata.engine import DURABLE, NAME_MAX, ROOT_INO, Extent, MetaError, NewChunk, check_name
+from metadata.engine import DURABLE, NAME_MAX, ROOT_INO, Extent, MetaError, NewChunk
 
 OPEN, PUBLISHED, ABORTED = 0, 1, 2
 STATE_NAMES = {OPEN: "open", PUBLISHED: "published", ABORTED: "aborted"}
 PATH_MAX = 4096
 MAX_FILES_PER_RANK = 100_000
 MAX_WORLD = 1 << 20
-EXT = struct.Struct("<QQQ16s")  # offset, length, chunk_off, chunk id
+EXT = struct.Struct("<QQQ16s")  # offset, length, chunk_off, chunk id (also inodes.extents)
 CHK = struct.Struct("<16sQQB")  # chunk id, raw_len, stored_len, state
+INO = struct.Struct("<Q")  # ckpt_ranks.inos: the rank's file inodes, in path order
 
 CKPT_SCHEMA = [
     """CREATE TABLE IF NOT EXISTS ckpt_steps (
@@ -49,11 +50,13 @@ CKPT_SCHEMA = [
     """CREATE TABLE IF NOT EXISTS ckpt_ranks (
         job TEXT NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, host TEXT NOT NULL,
         committed INTEGER NOT NULL, bytes INTEGER NOT NULL, new_bytes INTEGER NOT NULL,
-        files INTEGER NOT NULL, digest BLOB NOT NULL, PRIMARY KEY (job, step, rank))""",
-    """CREATE TABLE IF NOT EXISTS ckpt_files (
-        job TEXT NOT NULL, step INTEGER NOT NULL, rank INTEGER NOT NULL, path BLOB NOT NULL,
-        ino INTEGER NOT NULL, PRIMARY KEY (job, step, path))""",
+        files INTEGER NOT NULL, digest BLOB NOT NULL, inos BLOB NOT NULL, paths BLOB NOT NULL,
+        PRIMARY KEY (job, step, rank))""",
 ]
+
+
+class _Fallback(Exception):
+    """The bulk commit met a conflict it cannot pin on one rank: redo rank by rank."""
 
 
 def _now() -> int:
@@ -66,6 +69,11 @@ def pack_extents(extents: Iterable[Extent]) -> bytes:
 
 def unpack_extents(data: bytes) -> list[Extent]:
     return [Extent(o, n, bytes(c), co) for o, n, co, c in EXT.iter_unpack(data)]
+
+
+def blob_chunk_ids(data: bytes) -> list[bytes]:
+    """The chunk id of every extent in a packed list, without building Extent objects."""
+    return [data[i : i + 16] for i in range(24, len(data), EXT.size)]
 
 
 def pack_chunks(chunks: Iterable[NewChunk]) -> bytes:
@@ -104,12 +112,11 @@ def split_rel(path: str | bytes, what: str = "path") -> list[bytes]:
     if raw.startswith(b"/") or b"\0" in raw:
         raise MetaError(errno.EINVAL, f"{what} {raw[:80]!r} must be relative, without NUL")
     parts = raw.split(b"/")
-    for p in parts:
-        if p in (b"..", b".", b""):
-            raise MetaError(errno.EINVAL, f"{what} {raw[:80]!r} escapes or is not normalized")
-        if len(p) > NAME_MAX:
-            raise MetaError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes in {what}")
-        check_name(p)
+    # check_name's rules, checked for all parts at once (16k paths per 4096-rank step)
+    if b"" in parts or b"." in parts or b".." in parts:
+        raise MetaError(errno.EINVAL, f"{what} {raw[:80]!r} escapes or is not normalized")
+    if max(map(len, parts)) > NAME_MAX:
+        raise MetaError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes in {what}")
     return parts
 
 
@@ -126,8 +133,8 @@ def _check_int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
     return v
 
 
-def _norm_files(files: Any) -> list[tuple[bytes, list[bytes], int, list, list]]:
-    """Validate and unpack a rank's files: (path, parts, size, extent rows, chunk rows)."""
+def _norm_files(files: Any) -> list[tuple[bytes, list[bytes], int, bytes, bytes]]:
+    """Validate a rank's files: (path, parts, size, packed extents, packed new chunks)."""
     if not isinstance(files, list):
         raise MetaError(errno.EINVAL, "files must be a list")
     if len(files) > MAX_FILES_PER_RANK:
@@ -136,7 +143,11 @@ def _norm_files(files: Any) -> list[tuple[bytes, list[bytes], int, list, list]]:
     seen: set[bytes] = set()
     if not all(isinstance(f, dict) for f in files):
         raise MetaError(errno.EINVAL, "each file is a dict with path, size, extents")
-    for f in pack_files(files):
+    if any(
+        isinstance(f.get("extents"), list) or isinstance(f.get("new_chunks"), list) for f in files
+    ):
+        files = pack_files(files)
+    for f in files:
         parts = split_rel(f.get("path", b""))
         path = b"/".join(parts)
         if path in seen:
@@ -144,9 +155,15 @@ def _norm_files(files: Any) -> list[tuple[bytes, list[bytes], int, list, list]]:
         seen.add(path)
         size = _check_int(f.get("size"), "size")
         try:
-            ext = list(EXT.iter_unpack(f.get("extents", b"")))
-            chk = list(CHK.iter_unpack(f.get("new_chunks", b"")))
-        except (struct.error, TypeError):
+            blob, chk_blob = f.get("extents", b""), f.get("new_chunks", b"")
+            if not isinstance(blob, bytes | bytearray) or not isinstance(
+                chk_blob, bytes | bytearray
+            ):
+                raise TypeError
+            blob, chk_blob = bytes(blob), bytes(chk_blob)
+            ext = EXT.iter_unpack(blob)
+            chk = CHK.iter_unpack(chk_blob)
+        except (struct.error, TypeError, ValueError):
             raise MetaError(
                 errno.EINVAL, f"{path!r}: extents/new_chunks are not packed lists"
             ) from None
@@ -158,9 +175,9 @@ def _norm_files(files: Any) -> list[tuple[bytes, list[bytes], int, list, list]]:
         if end > size:
             raise MetaError(errno.EINVAL, f"{path!r}: extents end at {end}, past size {size}")
         for _, raw_len, stored_len, _st in chk:
-            if raw_len <= 0 or stored_len <= 0:
+            if raw_len <= 0 or stored_len <= 0 or _st > DURABLE:
                 raise MetaError(errno.EINVAL, f"{path!r}: bad new chunk record")
-        out.append((path, parts, size, ext, chk))
+        out.append((path, parts, size, blob, chk_blob))
     out.sort(key=lambda t: t[0])
     return out
 
@@ -168,9 +185,9 @@ def _norm_files(files: Any) -> list[tuple[bytes, list[bytes], int, list, list]]:
 def _digest(files: list) -> bytes:
     h = xxhash.xxh3_128()
     for path, _, size, ext, chk in files:
-        h.update(struct.pack("<QQQ", len(path), size, len(ext)) + path)
-        h.update(b"".join(EXT.pack(*e) for e in ext))
-        h.update(b"".join(CHK.pack(*c) for c in sorted(chk)))
+        h.update(struct.pack("<QQQ", len(path), size, len(ext) // EXT.size) + path)
+        h.update(ext)
+        h.update(chk)
     return h.digest()
 
 
@@ -292,163 +309,303 @@ class CheckpointMixin:
         return res
 
     def commit_ranks(self, items: list[tuple]) -> list[dict | MetaError]:
-        """Group commit: many ranks' commits in one transaction, each isolated by a savepoint."""
-        prepared: list[Any] = []
-        for job, step, rank, files, host in items:
+        """Group commit: many ranks' commits in one transaction.
+
+        The batch is written with one bulk insert per table. A conflict that
+        cannot be pinned on one rank before writing (two ranks writing the same
+        path, a file where a directory is) rolls the batch back to a savepoint
+        and redoes it rank by rank, each in its own savepoint, for exact errors.
+        """
+        out: list[Any] = [None] * len(items)
+        todo = []
+        for i, item in enumerate(items):
             try:
+                job, step, rank, files, host = item
                 _check_job(job)
                 _check_int(step, "step")
                 _check_int(rank, "rank")
                 if not isinstance(host, str) or len(host) > 255:
                     raise MetaError(errno.EINVAL, "host must be a string of at most 255 chars")
                 norm = _norm_files(files)
-                prepared.append((job, step, rank, norm, host, _digest(norm)))
+                todo.append((i, job, step, rank, norm, host, _digest(norm)))
             except MetaError as e:
-                prepared.append(e)
-        out: list[dict | MetaError] = []
+                out[i] = e
+            except (TypeError, ValueError) as e:
+                out[i] = MetaError(errno.EINVAL, f"bad commit_rank arguments: {e}")
+        if not todo:
+            return out
         with self._ckpt_tx() as c:
-            for i, p in enumerate(prepared):
-                if isinstance(p, MetaError):
-                    out.append(p)
-                    continue
-                self._x(c, f"SAVEPOINT r{i}")
-                try:
-                    out.append(self._commit_one(c, *p))
-                except MetaError as e:
-                    self._x(c, f"ROLLBACK TO SAVEPOINT r{i}")
-                    out.append(e)
-                self._x(c, f"RELEASE SAVEPOINT r{i}")
+            self._x(c, "SAVEPOINT batch")
+            try:
+                res = self._commit_group(c, todo, careful=False)
+            except Exception:  # noqa: BLE001 - a conflict; the careful pass names it
+                self._x(c, "ROLLBACK TO SAVEPOINT batch")
+                res = {}
+                for t in todo:
+                    self._x(c, "SAVEPOINT one")
+                    try:
+                        res.update(self._commit_group(c, [t], careful=True))
+                    except MetaError as e:
+                        self._x(c, "ROLLBACK TO SAVEPOINT one")
+                        res[t[0]] = e
+                    self._x(c, "RELEASE SAVEPOINT one")
+            self._x(c, "RELEASE SAVEPOINT batch")
+        for i, r in res.items():
+            out[i] = r
         return out
 
-    def _commit_one(
-        self, c: Any, job: str, step: int, rank: int, files: list, host: str, digest: bytes
-    ) -> dict:
-        state, world, root, *_ = self._step(c, job, step)
-        if rank >= world:
-            raise MetaError(errno.EINVAL, f"rank {rank} out of range for world_size {world}")
-        prev = self._one(
-            c,
-            "SELECT digest FROM ckpt_ranks WHERE job = ? AND step = ? AND rank = ?",
-            (job, step, rank),
-        )
-        if prev is not None:
-            if bytes(prev[0]) != digest:
-                raise MetaError(
-                    errno.EEXIST, f"rank {rank} of {job} step {step} already committed other files"
-                )
-            return {**self._brief(c, job, step), "duplicate": True}
-        if state == ABORTED:
-            raise MetaError(errno.ESTALE, f"{job} step {step} was aborted")
-        if state != OPEN:
-            raise MetaError(errno.EINVAL, f"{job} step {step} is already published")
-        now = _now()
-        dirs: dict[tuple[int, bytes], int] = {}
-        chunk_rows = {}
-        refs: Counter[bytes] = Counter()
-        ext_rows = []
-        file_rows = []
-        total = new_bytes = 0
-        for path, parts, size, ext, chk in files:
-            parent = root
-            for name in parts[:-1]:
-                parent = self._tree_dir(c, parent, name, dirs, now)
-            if self._one(
-                c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", (parent, parts[-1])
-            ):
-                raise MetaError(errno.EEXIST, f"{path!r} is already committed by another rank")
-            ino = self._one(
-                c,
-                "INSERT INTO inodes (mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, "
-                "generation, target) VALUES (?,1,0,0,?,?,?,?,0,1,?) RETURNING ino",
-                (stat.S_IFREG | 0o644, size, now, now, now, b""),
-            )[0]
-            self._x(
-                c,
-                "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)",
-                (parent, parts[-1], ino),
-            )
-            for off, n, coff, cid in ext:
-                ext_rows.append((ino, off, n, cid, coff))
-                refs[cid] += 1
-            for cid, raw_len, stored_len, st in chk:
-                chunk_rows[cid] = (cid, raw_len, stored_len, st, now)
-                new_bytes += raw_len
-            file_rows.append((job, step, rank, path, ino))
-            total += size
-        # New chunks go in with their reference count; only known ones take an UPDATE.
-        absent = self._missing(c, sorted(set(refs) | set(chunk_rows)))
-        unknown = [cid for cid in absent if cid in refs and cid not in chunk_rows]
-        if unknown:
-            raise MetaError(
-                errno.EIO,
-                f"extents reference {len(unknown)} unknown chunk(s), e.g. {unknown[0].hex()}",
-            )
-        fresh = [(*chunk_rows[cid][:3], refs.get(cid, 0), *chunk_rows[cid][3:]) for cid in absent]
-        if fresh:
-            c.executemany(
-                self._q(
-                    "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched) "
-                    "VALUES (?,?,?,?,?,?)"
-                ),
-                sorted(fresh),
-            )
-        durable = [(cid,) for cid, r in chunk_rows.items() if r[3] == DURABLE and cid not in absent]
-        if durable:
-            c.executemany(self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), durable)
-        if ext_rows:
-            c.executemany(
-                self._q(
-                    "INSERT INTO extents (ino, offset, length, chunk, chunk_off) VALUES (?,?,?,?,?)"
-                ),
-                ext_rows,
-            )
-        self._adjust_refs(c, {cid: n for cid, n in sorted(refs.items()) if cid not in absent})
-        if file_rows:
-            c.executemany(
-                self._q("INSERT INTO ckpt_files (job, step, rank, path, ino) VALUES (?,?,?,?,?)"),
-                file_rows,
-            )
-        self._x(
-            c,
-            "INSERT INTO ckpt_ranks (job, step, rank, host, committed, bytes, new_bytes, files, "
-            "digest) VALUES (?,?,?,?,?,?,?,?,?)",
-            (job, step, rank, host, now, total, new_bytes, len(files), digest),
-        )
-        n = self._one(c, "SELECT COUNT(*) FROM ckpt_ranks WHERE job = ? AND step = ?", (job, step))[
-            0
-        ]
-        if n == world:
-            self._publish(c, job, step)
-        return {**self._brief(c, job, step), "duplicate": False}
+    def _commit_group(self, c: Any, todo: list[tuple], careful: bool) -> dict[int, Any]:
+        """Write every valid commit of `todo` with bulk statements; {item index: result}.
 
-    def _tree_dir(self, c: Any, parent: int, name: bytes, dirs: dict, now: int) -> int:
-        key = (parent, name)
-        ino = dirs.get(key)
-        if ino is not None:
-            return ino
-        row = self._one(
-            c,
-            "SELECT d.ino, i.mode FROM dentries d JOIN inodes i ON i.ino = d.ino "
-            "WHERE d.parent = ? AND d.name = ?",
-            (parent, name),
-        )
-        if row is not None:
-            if not stat.S_ISDIR(row[1]):
-                raise MetaError(errno.ENOTDIR, f"{name!r} is a file of another rank")
-            ino = row[0]
-        else:
-            ino = self._one(
+        careful=False raises on a conflict it cannot attribute (the caller then
+        retries rank by rank); careful=True (one rank) raises the MetaError.
+        """
+        now = _now()
+        res: dict[int, Any] = {}
+        steps: dict[tuple[str, int], Any] = {}
+        groups: dict[tuple[str, int], list[tuple]] = {}
+        for t in todo:
+            key = (t[1], t[2])
+            if key not in steps:
+                try:
+                    steps[key] = self._step(c, *key)[:3]
+                except MetaError as e:
+                    steps[key] = e
+            groups.setdefault(key, []).append(t)
+        fresh: list[tuple] = []
+        dups: dict[int, tuple[str, int]] = {}
+        for key, group in groups.items():
+            st = steps[key]
+            if isinstance(st, MetaError):
+                res.update((t[0], st) for t in group)
+                continue
+            state, world, _root = st
+            prev = self._rank_digests(c, key, [t[3] for t in group if t[3] < world])
+            for t in group:
+                i, job, step, rank, _files, _host, digest = t
+                if rank >= world:
+                    res[i] = MetaError(
+                        errno.EINVAL, f"rank {rank} out of range for world_size {world}"
+                    )
+                elif rank in prev:
+                    if prev[rank] != digest:
+                        res[i] = MetaError(
+                            errno.EEXIST,
+                            f"rank {rank} of {job} step {step} already committed other files",
+                        )
+                    else:
+                        dups[i] = key
+                elif state == ABORTED:
+                    res[i] = MetaError(errno.ESTALE, f"{job} step {step} was aborted")
+                elif state != OPEN:
+                    res[i] = MetaError(errno.EINVAL, f"{job} step {step} is already published")
+                else:
+                    prev[rank] = digest  # a second copy in this batch is a duplicate
+                    fresh.append(t)
+        fresh = self._known_refs(c, fresh, res)
+        if fresh:
+            self._write_ranks(c, fresh, steps, now, careful)
+        briefs: dict[tuple[str, int], dict] = {}
+        for key in {(t[1], t[2]) for t in fresh}:
+            n = self._one(c, "SELECT COUNT(*) FROM ckpt_ranks WHERE job = ? AND step = ?", key)[0]
+            if n == steps[key][1]:
+                self._publish(c, *key)
+        for t in fresh:
+            key = (t[1], t[2])
+            if key not in briefs:
+                briefs[key] = self._brief(c, *key)
+            res[t[0]] = {**briefs[key], "duplicate": False}
+        for i, key in dups.items():
+            if key not in briefs:
+                briefs[key] = self._brief(c, *key)
+            res[i] = {**briefs[key], "duplicate": True}
+        return res
+
+    def _rank_digests(self, c: Any, key: tuple[str, int], ranks: list[int]) -> dict[int, bytes]:
+        out: dict[int, bytes] = {}
+        ranks = sorted(set(ranks))
+        for i in range(0, len(ranks), 500):
+            part = ranks[i : i + 500]
+            marks = ",".join("?" * len(part))
+            for r, d in self._x(
                 c,
-                "INSERT INTO inodes (mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, "
-                "generation, target) VALUES (?,2,0,0,0,?,?,?,0,0,?) RETURNING ino",
-                (stat.S_IFDIR | 0o755, now, now, now, b""),
-            )[0]
-            self._x(
-                c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino)
+                f"SELECT rank, digest FROM ckpt_ranks WHERE job = ? AND step = ? "
+                f"AND rank IN ({marks})",
+                (*key, *part),
+            ).fetchall():
+                out[int(r)] = bytes(d)
+        return out
+
+    def _known_refs(self, c: Any, fresh: list[tuple], res: dict) -> list[tuple]:
+        """Drop (with EIO) commits whose extents reference a chunk nobody registered."""
+        ask: set[bytes] = set()
+        for t in fresh:
+            for f in t[4]:
+                ask.update(blob_chunk_ids(f[3]))
+            for f in t[4]:
+                ask.difference_update(r[0] for r in CHK.iter_unpack(f[4]))
+        if not ask:
+            return fresh
+        missing = self._missing(c, sorted(ask))
+        if missing:  # only journalled so far? apply the journal and look again
+            self._settle(c)
+            missing = self._missing(c, sorted(missing))
+        if not missing:
+            return fresh
+        keep = []
+        for t in fresh:
+            new = {r[0] for f in t[4] for r in CHK.iter_unpack(f[4])}
+            bad = [cid for f in t[4] for cid in blob_chunk_ids(f[3]) if cid in missing]
+            bad = [cid for cid in bad if cid not in new]
+            if bad:
+                res[t[0]] = MetaError(
+                    errno.EIO,
+                    f"extents reference {len(set(bad))} unknown chunk(s), e.g. {bad[0].hex()}",
+                )
+            else:
+                keep.append(t)
+        return keep
+
+    def _write_ranks(
+        self, c: Any, fresh: list[tuple], steps: dict, now: int, careful: bool
+    ) -> None:
+        """Directories, inodes, dentries, rank records and journal rows, one statement each."""
+        # Directories: resolve level by level; new ones get placeholder ids (< 0) first.
+        resolved: dict[tuple[int, tuple[bytes, ...]], int] = {}
+        used: dict[tuple[int, bytes], bool] = {}  # (parent, name) -> is a directory
+        new_dirs: list[tuple[int, bytes]] = []  # (parent id, name)
+        want: set[tuple[int, tuple[bytes, ...]]] = set()
+        for t in fresh:
+            root = steps[(t[1], t[2])][2]
+            resolved[(root, ())] = root
+            for f in t[4]:
+                parts = f[1]
+                for k in range(1, len(parts)):
+                    want.add((root, tuple(parts[:k])))
+        for depth in range(1, 1 + max((len(p) for _, p in want), default=0)):
+            by_parent: dict[int, list[tuple[int, tuple[bytes, ...]]]] = {}
+            for root, prefix in want:
+                if len(prefix) == depth:
+                    parent = resolved[(root, prefix[:-1])]
+                    by_parent.setdefault(parent, []).append((root, prefix))
+            for parent, entries in sorted(by_parent.items()):
+                found = self._children(c, parent, [p[-1] for _, p in entries]) if parent > 0 else {}
+                for root, prefix in sorted(entries):
+                    name = prefix[-1]
+                    hit = found.get(name)
+                    if hit is not None:
+                        if not stat.S_ISDIR(hit[1]):
+                            if careful:
+                                raise MetaError(
+                                    errno.ENOTDIR, f"{name!r} is a file of another rank"
+                                )
+                            raise _Fallback(name)
+                        resolved[(root, prefix)] = hit[0]
+                    else:
+                        new_dirs.append((parent, name))
+                        resolved[(root, prefix)] = -len(new_dirs)
+                    used[(parent, name)] = True
+        # Files: collisions inside the batch are caught here, with the database by UNIQUE.
+        file_rows = []
+        for t in fresh:
+            root = steps[(t[1], t[2])][2]
+            for f in t[4]:
+                parent = resolved[(root, tuple(f[1][:-1]))]
+                name = f[1][-1]
+                key = (parent, name)
+                clash = key in used
+                if not clash and careful and parent > 0:
+                    clash = self._one(
+                        c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", key
+                    ) is not None  # fmt: skip
+                if clash:
+                    if careful:
+                        raise MetaError(
+                            errno.EEXIST, f"{f[0]!r} is already committed by another rank"
+                        )
+                    raise _Fallback(f[0])
+                used[key] = False
+                file_rows.append((parent, name, f))
+        inos = self._alloc_inos(c, len(new_dirs) + len(file_rows))
+        real = lambda i: inos[-i - 1] if i < 0 else i  # noqa: E731
+        nlink: Counter[int] = Counter()
+        ino_rows = []
+        dent_rows = []
+        dmode = stat.S_IFDIR | 0o755
+        for k, (parent, name) in enumerate(new_dirs):
+            ino_rows.append((inos[k], dmode, 2, 0, now, now, now, 0, b"", b""))
+            dent_rows.append((real(parent), name, inos[k]))
+            nlink[real(parent)] += 1
+        fmode = stat.S_IFREG | 0o644
+        file_ino: dict[int, int] = {}
+        for k, (parent, name, f) in enumerate(file_rows, start=len(new_dirs)):
+            ino_rows.append((inos[k], fmode, 1, f[2], now, now, now, 1, b"", f[3]))
+            dent_rows.append((real(parent), name, inos[k]))
+            file_ino[id(f)] = inos[k]
+        c.executemany(
+            self._q(
+                "INSERT INTO inodes (ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, "
+                "generation, target, extents) VALUES (?,?,?,0,0,?,?,?,?,0,?,?,?)"
+            ),
+            ino_rows,
+        )
+        c.executemany(self._q("INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)"), dent_rows)
+        if nlink:
+            c.executemany(
+                self._q("UPDATE inodes SET nlink = nlink + ? WHERE ino = ?"),
+                [(n, ino) for ino, n in sorted(nlink.items())],
             )
-            self._x(c, "UPDATE inodes SET nlink = nlink + 1 WHERE ino = ?", (parent,))
-        dirs[key] = ino
-        return ino
+        rank_rows = []
+        journal = []
+        for _i, job, step, rank, files, host, digest in fresh:
+            new_bytes = 0
+            seen: set[bytes] = set()
+            for f in files:
+                for cid, raw_len, _s, _st in CHK.iter_unpack(f[4]):
+                    if cid not in seen:
+                        seen.add(cid)
+                        new_bytes += raw_len
+            rank_rows.append(
+                (
+                    job, step, rank, host, now, sum(f[2] for f in files), new_bytes, len(files),
+                    digest, b"".join(INO.pack(file_ino[id(f)]) for f in files),
+                    b"\0".join(f[0] for f in files),
+                )
+            )  # fmt: skip
+            chunks = b"".join(f[4] for f in files)
+            refs = b"".join(f[3] for f in files)
+            if refs or chunks:
+                journal.append((job, step, rank, chunks, refs))
+        c.executemany(
+            self._q(
+                "INSERT INTO ckpt_ranks (job, step, rank, host, committed, bytes, new_bytes, "
+                "files, digest, inos, paths) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+            ),
+            rank_rows,
+        )
+        if journal:
+            c.executemany(
+                self._q(
+                    "INSERT INTO ref_journal (job, step, rank, chunks, refs) VALUES (?,?,?,?,?)"
+                ),
+                journal,
+            )
+
+    def _children(self, c: Any, parent: int, names: list[bytes]) -> dict[bytes, tuple[int, int]]:
+        """name -> (ino, mode) of the existing entries among `names` under `parent`."""
+        out: dict[bytes, tuple[int, int]] = {}
+        names = sorted(set(names))
+        for i in range(0, len(names), 500):
+            part = names[i : i + 500]
+            marks = ",".join("?" * len(part))
+            for name, ino, mode in self._x(
+                c,
+                "SELECT d.name, d.ino, i.mode FROM dentries d JOIN inodes i ON i.ino = d.ino "
+                f"WHERE d.parent = ? AND d.name IN ({marks})",
+                (parent, *part),
+            ).fetchall():
+                out[bytes(name)] = (int(ino), int(mode))
+        return out
 
     def _publish(self, c: Any, job: str, step: int) -> None:
         """Link the hidden tree into the namespace; on a conflict, abort the step instead."""
@@ -531,29 +688,60 @@ class CheckpointMixin:
                 below.extend(r[0] for r in rows.fetchall())
             level = below
             inos.extend(level)
+        # Ranks whose references are still journalled: drop the entries (never applied).
+        # The others' references were applied: take them back.
+        pending = {
+            int(r[0])
+            for r in self._x(
+                c, "SELECT rank FROM ref_journal WHERE job = ? AND step = ?", (job, step)
+            ).fetchall()
+        }
+        self._x(c, "DELETE FROM ref_journal WHERE job = ? AND step = ?", (job, step))
+        applied = [
+            ino
+            for rank, packed in self._x(
+                c, "SELECT rank, inos FROM ckpt_ranks WHERE job = ? AND step = ?", (job, step)
+            ).fetchall()
+            if int(rank) not in pending
+            for (ino,) in INO.iter_unpack(bytes(packed))
+        ]
+        refs: Counter[bytes] = Counter()
+        for blob in self._blobs(c, applied).values():
+            refs.update(blob_chunk_ids(blob))
+        self._adjust_refs(c, {k: -v for k, v in refs.items()}, settle=False)
         for i in range(0, len(inos), 500):
             part = inos[i : i + 500]
             marks = ",".join("?" * len(part))
-            refs = Counter(
-                bytes(r[0])
-                for r in self._x(
-                    c, f"SELECT chunk FROM extents WHERE ino IN ({marks})", part
-                ).fetchall()
-            )
-            self._adjust_refs(c, {k: -v for k, v in sorted(refs.items())})
-            for table, col in (("extents", "ino"), ("xattrs", "ino"), ("dentries", "parent")):
+            for table, col in (("xattrs", "ino"), ("dentries", "parent")):
                 self._x(c, f"DELETE FROM {table} WHERE {col} IN ({marks})", part)
             self._x(c, f"DELETE FROM inodes WHERE ino IN ({marks})", part)
-        self._x(c, "DELETE FROM ckpt_files WHERE job = ? AND step = ?", (job, step))
         self._x(
             c,
             "UPDATE ckpt_steps SET state = ?, reason = ? WHERE job = ? AND step = ?",
             (ABORTED, reason, job, step),
         )
 
+    def _blobs(self, c: Any, inos: list[int]) -> dict[int, bytes]:
+        """ino -> packed extents, for the inodes that still exist."""
+        out: dict[int, bytes] = {}
+        for i in range(0, len(inos), 500):
+            part = inos[i : i + 500]
+            marks = ",".join("?" * len(part))
+            for ino, blob in self._x(
+                c, f"SELECT ino, extents FROM inodes WHERE ino IN ({marks})", part
+            ).fetchall():
+                out[int(ino)] = bytes(blob)
+        return out
+
     def expire(self, now_ns: int | None = None) -> list[tuple[str, int]]:
         """Abort every open step past its deadline; returns the (job, step) aborted."""
         now = now_ns if now_ns is not None else _now()
+        with self._ckpt_read() as c:  # the common case, nothing due, takes no write lock
+            due = self._one(
+                c, "SELECT 1 FROM ckpt_steps WHERE state = ? AND deadline < ?", (OPEN, now)
+            )
+        if due is None:
+            return []
         with self._ckpt_tx() as c:
             rows = self._x(
                 c,
@@ -605,6 +793,7 @@ class CheckpointMixin:
     def latest_durable(self, job: str) -> int | None:
         """The newest published step whose every chunk is on the object nodes."""
         _check_job(job)
+        self.apply_pending()  # chunk states of journalled chunks live in the journal
         with self._ckpt_read() as c:
             steps = self._x(
                 c,
@@ -613,16 +802,39 @@ class CheckpointMixin:
                 (job, PUBLISHED),
             ).fetchall()
             for (step,) in steps:
-                staged = self._one(
-                    c,
-                    "SELECT 1 FROM ckpt_files f JOIN extents e ON e.ino = f.ino "
-                    "JOIN chunks k ON k.id = e.chunk "
-                    f"WHERE f.job = ? AND f.step = ? AND k.state != {DURABLE} LIMIT 1",
-                    (job, step),
-                )
-                if staged is None:
+                inos = self._step_inos(c, job, step)
+                ids: set[bytes] = set()
+                for ranks in inos.values():
+                    for blob in self._blobs(c, [ino for _, ino in ranks]).values():
+                        ids.update(blob_chunk_ids(blob))
+                if not self._any_staged(c, sorted(ids)):
                     return int(step)
         return None
+
+    def _any_staged(self, c: Any, ids: list[bytes]) -> bool:
+        for i in range(0, len(ids), 500):
+            part = ids[i : i + 500]
+            marks = ",".join("?" * len(part))
+            if self._one(
+                c,
+                f"SELECT 1 FROM chunks WHERE id IN ({marks}) AND state != {DURABLE} LIMIT 1",
+                part,
+            ):
+                return True
+        return False
+
+    def _step_inos(self, c: Any, job: str, step: int) -> dict[int, list[tuple[bytes, int]]]:
+        """rank -> [(path, ino)] from the rank records (files in path order)."""
+        out: dict[int, list[tuple[bytes, int]]] = {}
+        for rank, inos, paths in self._x(
+            c,
+            "SELECT rank, inos, paths FROM ckpt_ranks WHERE job = ? AND step = ? ORDER BY rank",
+            (job, step),
+        ).fetchall():
+            nums = [i for (i,) in INO.iter_unpack(bytes(inos))]
+            names = bytes(paths).split(b"\0") if nums else []
+            out[int(rank)] = list(zip(names, nums, strict=True))
+        return out
 
     def manifest_parts(self, job: str, step: int) -> tuple[dict, dict[int, list[dict]]]:
         """A published step's header and its files grouped by rank (extents packed)."""
@@ -633,31 +845,25 @@ class CheckpointMixin:
                 raise MetaError(
                     errno.EAGAIN, f"{job} step {step} is {head['state']}, not published"
                 )
-            rows = self._x(
-                c,
-                "SELECT f.rank, f.path, i.size, e.offset, e.length, e.chunk_off, e.chunk "
-                "FROM ckpt_files f JOIN inodes i ON i.ino = f.ino "
-                "LEFT JOIN extents e ON e.ino = f.ino "
-                "WHERE f.job = ? AND f.step = ? ORDER BY f.rank, f.path, e.offset",
-                (job, step),
-            ).fetchall()
+            by_ino: dict[int, tuple[int, bytes]] = {}
+            files = self._step_inos(c, job, step)
+            inos = [ino for fs in files.values() for _, ino in fs]
+            for i in range(0, len(inos), 500):
+                part = inos[i : i + 500]
+                marks = ",".join("?" * len(part))
+                for ino, size, blob in self._x(
+                    c, f"SELECT ino, size, extents FROM inodes WHERE ino IN ({marks})", part
+                ).fetchall():
+                    by_ino[int(ino)] = (int(size), bytes(blob))
         by_rank: dict[int, list[dict]] = {}
-        cur_key = None
-        buf: list[bytes] = []
-        cur: dict | None = None
-        pack = EXT.pack
-        for rank, path, size, off, n, coff, cid in rows:
-            key = (rank, path)
-            if key != cur_key:
-                if cur is not None:
-                    cur["extents"] = b"".join(buf)
-                cur_key, buf = key, []
-                cur = {"path": os.fsdecode(bytes(path)), "size": int(size), "rank": int(rank)}
-                by_rank.setdefault(int(rank), []).append(cur)
-            if off is not None:
-                buf.append(pack(off, n, coff, bytes(cid)))
-        if cur is not None:
-            cur["extents"] = b"".join(buf)
+        for rank, fs in files.items():
+            out = by_rank[rank] = []
+            for path, ino in fs:
+                hit = by_ino.get(ino)
+                if hit is not None:  # a file unlinked since publish drops out
+                    out.append(
+                        {"path": os.fsdecode(path), "size": hit[0], "rank": rank, "extents": hit[1]}
+                    )
         return head, by_rank
 
     def manifest(self, job: str, step: int, rank: int | None = None) -> dict:

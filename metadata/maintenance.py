@@ -9,9 +9,12 @@ created on first use so older volumes need no migration.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from metadata.checkpoints import blob_chunk_ids
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,15 @@ class MaintenanceMixin:
         self._ur_ready = True
 
     # -- chunks and references -----------------------------------------------
+    def _referenced(self, c: Any) -> Iterable[tuple[int, list[bytes]]]:
+        """(ino, chunk id of each extent) for every inode with extents (packed per inode)."""
+        rows = self._x(c, "SELECT ino, extents FROM inodes WHERE length(extents) > 0")  # type: ignore[attr-defined]
+        for ino, blob in rows.fetchall():
+            yield int(ino), blob_chunk_ids(bytes(blob))
+
     def chunk_rows(self) -> dict[bytes, ChunkRow]:
         """Every chunk row: id -> (raw_len, stored_len, refcount, state, touched)."""
+        self.apply_pending()  # type: ignore[attr-defined]  # journalled refs count too
         with self._read() as c:  # type: ignore[attr-defined]
             rows = self._x(  # type: ignore[attr-defined]
                 c, "SELECT id, raw_len, stored_len, refcount, state, touched FROM chunks"
@@ -54,12 +64,16 @@ class MaintenanceMixin:
         return {bytes(r[0]): ChunkRow(r[1], r[2], r[3], r[4], r[5]) for r in rows}
 
     def true_refcounts(self) -> dict[bytes, int]:
-        """References recomputed from the extents (the truth refcounts must match)."""
-        with self._read() as c:  # type: ignore[attr-defined]
-            rows = self._x(  # type: ignore[attr-defined]
-                c, "SELECT chunk, COUNT(*) FROM extents GROUP BY chunk"
-            ).fetchall()
-        return {bytes(r[0]): int(r[1]) for r in rows}
+        """References recomputed from the extents (the truth refcounts must match).
+
+        Pending journal entries are applied first, in the same transaction, so
+        the counts compare like with like."""
+        out: Counter[bytes] = Counter()
+        with self._tx() as c:  # type: ignore[attr-defined]
+            self._settle(c)  # type: ignore[attr-defined]
+            for _, ids in self._referenced(c):
+                out.update(ids)
+        return dict(out)
 
     def fix_refcounts(self, counts: dict[bytes, int]) -> int:
         """Set refcounts to recomputed values (touching them, so gc waits a grace period)."""
@@ -75,16 +89,12 @@ class MaintenanceMixin:
 
     def files_using(self, ids: Iterable[bytes]) -> dict[bytes, list[int]]:
         """Inodes whose extents reference these chunks (to name what a lost chunk breaks)."""
-        ids = list(ids)
+        want = set(ids)
         out: dict[bytes, list[int]] = {}
         with self._read() as c:  # type: ignore[attr-defined]
-            for i in range(0, len(ids), 500):
-                part = ids[i : i + 500]
-                marks = ",".join("?" * len(part))
-                for chunk, ino in self._x(  # type: ignore[attr-defined]
-                    c, f"SELECT DISTINCT chunk, ino FROM extents WHERE chunk IN ({marks})", part
-                ).fetchall():
-                    out.setdefault(bytes(chunk), []).append(int(ino))
+            for ino, refs in self._referenced(c):
+                for cid in want.intersection(refs):
+                    out.setdefault(cid, []).append(ino)
         return out
 
     def inode_path(self, ino: int) -> str | None:
@@ -112,14 +122,16 @@ class MaintenanceMixin:
         against it restarted that timer through missing_chunks).
         """
         cutoff = time.time_ns() - int(grace_s * 1e9)
-        cond = (
-            "refcount <= 0 AND touched < ? "
-            "AND NOT EXISTS (SELECT 1 FROM extents e WHERE e.chunk = chunks.id)"
-        )
+        cond = "refcount <= 0 AND touched < ?"
         with self._tx() as c:  # type: ignore[attr-defined]
+            # Committed-but-unapplied references count: apply them in this transaction.
+            self._settle(c)  # type: ignore[attr-defined]
             rows = self._x(  # type: ignore[attr-defined]
                 c, f"SELECT id, stored_len FROM chunks WHERE {cond} LIMIT ?", (cutoff, limit)
             ).fetchall()
+            if rows:  # never a chunk some extent still uses, whatever its refcount says
+                used = {cid for _, refs in self._referenced(c) for cid in refs}
+                rows = [r for r in rows if bytes(r[0]) not in used]
             c.executemany(
                 self._q(f"DELETE FROM chunks WHERE id = ? AND {cond}"),  # type: ignore[attr-defined]
                 [(r[0], cutoff) for r in rows],
@@ -134,6 +146,7 @@ class MaintenanceMixin:
     def known_chunks(self, ids: list[bytes]) -> set[bytes]:
         """Which ids have a chunk row (no grace-timer side effect, unlike missing_chunks)."""
         found: set[bytes] = set()
+        self.apply_pending()  # type: ignore[attr-defined]  # journalled chunks are known
         with self._read() as c:  # type: ignore[attr-defined]
             for i in range(0, len(ids), 500):
                 part = ids[i : i + 500]
@@ -182,12 +195,13 @@ class MaintenanceMixin:
     # -- repairs ---------------------------------------------------------------
     def drop_chunk_rows(self, ids: list[bytes]) -> int:
         """Delete these chunk rows if still unreferenced (fsck: a lost, unused chunk)."""
-        cond = "refcount <= 0 AND NOT EXISTS (SELECT 1 FROM extents e WHERE e.chunk = chunks.id)"
         with self._tx() as c:  # type: ignore[attr-defined]
+            self._settle(c)  # type: ignore[attr-defined]
+            used = {cid for _, refs in self._referenced(c) for cid in refs}
             before = self._x(c, "SELECT COUNT(*) FROM chunks").fetchone()[0]  # type: ignore[attr-defined]
             c.executemany(
-                self._q(f"DELETE FROM chunks WHERE id = ? AND {cond}"),  # type: ignore[attr-defined]
-                [(cid,) for cid in ids],
+                self._q("DELETE FROM chunks WHERE id = ? AND refcount <= 0"),  # type: ignore[attr-defined]
+                [(cid,) for cid in ids if cid not in used],
             )
             after = self._x(c, "SELECT COUNT(*) FROM chunks").fetchone()[0]  # type: ignore[attr-defined]
         return int(before - after)
@@ -196,6 +210,7 @@ class MaintenanceMixin:
         """Re-create rows for chunks found on nodes but missing from the table (fsck)."""
         now = time.time_ns()
         with self._tx() as c:  # type: ignore[attr-defined]
+            self._settle(c)  # type: ignore[attr-defined]
             self._register_chunks(c, chunks, now)  # type: ignore[attr-defined]
             c.executemany(
                 self._q("UPDATE chunks SET refcount = ?, touched = ? WHERE id = ?"),  # type: ignore[attr-defined]

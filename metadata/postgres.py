@@ -75,6 +75,17 @@ class PostgresEngine(SqlEngine):
         )
         return out
 
+    def _alloc_inos(self, c: Any, n: int) -> list[int]:
+        """Reserve n inode numbers from the identity sequence (other services share it)."""
+        if n <= 0:
+            return []
+        rows = self._x(
+            c,
+            "SELECT nextval(pg_get_serial_sequence('inodes', 'ino')) FROM generate_series(1, ?)",
+            (n,),
+        ).fetchall()
+        return [int(r[0]) for r in rows]
+
     def _ckpt_ddl(self) -> list[str]:
         return [translate_ddl(s) for s in super()._ckpt_ddl()]
 

@@ -18,6 +18,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from metadata.checkpoints import (
+    CHK,
+    CheckpointMixin,
+    blob_chunk_ids,
+    pack_extents,
+    unpack_extents,
+)
 from metadata.engine import (
     DURABLE,
     RENAME_EXCHANGE,
@@ -33,7 +40,6 @@ from metadata.engine import (
     check_extents,
     check_name,
 )
-from metadata.checkpoints import CheckpointMixin
 from metadata.maintenance import MaintenanceMixin
 
 _ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation"
@@ -86,7 +92,9 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
                 self._x(c, stmt)
             if self._one(c, "SELECT value FROM config WHERE key = 'volume'"):
                 raise MetaError(errno.EEXIST, "volume already formatted")
-            self._x(c, "INSERT INTO config (key, value) VALUES ('volume', ?)", (json.dumps(config),))
+            self._x(
+                c, "INSERT INTO config (key, value) VALUES ('volume', ?)", (json.dumps(config),)
+            )
             now = _now()
             self._x(
                 c,
@@ -137,20 +145,85 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
             (now, now, nlink_delta, ino),
         )
 
-    def _release_extents(self, c: Any, ino: int) -> None:
-        refs = Counter(
-            bytes(r[0]) for r in self._x(c, "SELECT chunk FROM extents WHERE ino = ?", (ino,))
-        )
-        self._adjust_refs(c, {k: -v for k, v in refs.items()})
-        self._x(c, "DELETE FROM extents WHERE ino = ?", (ino,))
+    def _blob(self, c: Any, ino: int) -> bytes:
+        """A file's packed extents (checkpoints.EXT records, sorted by offset)."""
+        row = self._one(c, "SELECT extents FROM inodes WHERE ino = ?", (ino,))
+        return bytes(row[0]) if row is not None and row[0] else b""
 
-    def _adjust_refs(self, c: Any, delta: dict[bytes, int]) -> None:
+    def _release_extents(self, c: Any, ino: int) -> None:
+        """Drop the references of an inode's extents (the caller rewrites or deletes the inode)."""
+        refs = Counter(blob_chunk_ids(self._blob(c, ino)))
+        self._adjust_refs(c, {k: -v for k, v in refs.items()})
+
+    def _adjust_refs(self, c: Any, delta: dict[bytes, int], *, settle: bool = True) -> None:
+        """Add reference deltas. A decrement may hit a chunk whose row is still only in the
+        journal (a checkpoint commit not applied yet): apply the journal first, so no
+        decrement is lost on a missing row."""
         now = _now()
-        rows = [(d, now, cid) for cid, d in delta.items() if d]
-        if rows:
+        rows = sorted((cid, d) for cid, d in delta.items() if d)
+        if not rows:
+            return
+        if settle and any(d < 0 for _, d in rows):
+            self._settle(c)
+        c.executemany(
+            self._q("UPDATE chunks SET refcount = refcount + ?, touched = ? WHERE id = ?"),
+            [(d, now, cid) for cid, d in rows],
+        )
+
+    # -- pending references (the journal checkpoint commits write) -------------
+    def _settle(self, c: Any) -> None:
+        """Apply every pending journal entry inside the caller's write transaction."""
+        if self._one(c, "SELECT 1 FROM ref_journal LIMIT 1") is not None:
+            self._apply_journal(c, None)
+
+    def _apply_journal(self, c: Any, limit: int | None) -> int:
+        """Register journalled new chunks and add their references, in bulk, sorted by id."""
+        sql = "SELECT id, chunks, refs FROM ref_journal ORDER BY id"
+        rows = self._x(c, sql + (" LIMIT ?" if limit else ""), (limit,) if limit else ()).fetchall()
+        if not rows:
+            return 0
+        new: dict[bytes, tuple[int, int, int]] = {}
+        refs: Counter[bytes] = Counter()
+        for _, chunks, ref in rows:
+            for cid, raw_len, stored_len, st in CHK.iter_unpack(chunks):
+                prev = new.get(cid)
+                if prev is None or st > prev[2]:
+                    new[cid] = (raw_len, stored_len, st)
+            refs.update(blob_chunk_ids(ref))
+        now = _now()
+        if new:
             c.executemany(
-                self._q("UPDATE chunks SET refcount = refcount + ?, touched = ? WHERE id = ?"), rows
+                self._q(
+                    "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched) "
+                    "VALUES (?,?,?,?,?,?) ON CONFLICT (id) DO UPDATE SET "
+                    "refcount = chunks.refcount + excluded.refcount, touched = excluded.touched, "
+                    "state = CASE WHEN excluded.state > chunks.state THEN excluded.state "
+                    "ELSE chunks.state END"
+                ),
+                [(cid, *new[cid][:2], refs.pop(cid, 0), new[cid][2], now) for cid in sorted(new)],
             )
+        self._adjust_refs(c, refs, settle=False)
+        ids = [r[0] for r in rows]
+        self._x(c, "DELETE FROM ref_journal WHERE id >= ? AND id <= ?", (ids[0], ids[-1]))
+        return len(rows)
+
+    def apply_pending(self, limit: int | None = None) -> int:
+        """Apply up to `limit` journal entries (all if None); returns how many remain.
+
+        The service runs this in the background between group commits; embedded
+        engines reach it through stats, chunk_info, gc and fsck (and `_settle`).
+        """
+        with self._read() as c:
+            if self._one(c, "SELECT 1 FROM ref_journal LIMIT 1") is None:
+                return 0
+        with self._tx() as c:
+            self._apply_journal(c, limit)
+            return int(self._one(c, "SELECT COUNT(*) FROM ref_journal")[0])
+
+    def _alloc_inos(self, c: Any, n: int) -> list[int]:
+        """Reserve n inode numbers for a bulk insert (the write lock is held)."""
+        top = self._one(c, "SELECT COALESCE(MAX(ino), 0) FROM inodes")[0]
+        return list(range(int(top) + 1, int(top) + 1 + n))
 
     def _drop_inode_if_orphan(self, c: Any, ino: int, open_inodes: bool = False) -> None:
         row = self._one(c, "SELECT nlink, mode FROM inodes WHERE ino = ?", (ino,))
@@ -195,7 +268,9 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
                 (mode, nlink, uid, gid, size, now, now, now, target),
             )
             ino = row[0]
-            self._x(c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino))
+            self._x(
+                c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino)
+            )
             self._touch_dir(c, parent, 1 if kind == stat.S_IFDIR else 0)
             return self._getattr(c, ino)
 
@@ -213,9 +288,13 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
             ):
                 raise MetaError(errno.EEXIST, f"{new_name!r} exists")
             self._x(
-                c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (new_parent, new_name, ino)
+                c,
+                "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)",
+                (new_parent, new_name, ino),
             )
-            self._x(c, "UPDATE inodes SET nlink = nlink + 1, ctime = ? WHERE ino = ?", (_now(), ino))
+            self._x(
+                c, "UPDATE inodes SET nlink = nlink + 1, ctime = ? WHERE ino = ?", (_now(), ino)
+            )
             self._touch_dir(c, new_parent)
             return self._getattr(c, ino)
 
@@ -226,7 +305,9 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
             if a.is_dir:
                 raise MetaError(errno.EISDIR, f"{name!r} is a directory")
             self._x(c, "DELETE FROM dentries WHERE parent = ? AND name = ?", (parent, name))
-            self._x(c, "UPDATE inodes SET nlink = nlink - 1, ctime = ? WHERE ino = ?", (_now(), a.ino))
+            self._x(
+                c, "UPDATE inodes SET nlink = nlink - 1, ctime = ? WHERE ino = ?", (_now(), a.ino)
+            )
             self._touch_dir(c, parent)
             return self._getattr(c, a.ino)
 
@@ -281,11 +362,13 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
                 if dst.is_dir and self._is_ancestor(c, dst.ino, parent):
                     raise MetaError(errno.EINVAL, "cannot move a directory into itself")
                 self._x(
-                    c, "UPDATE dentries SET ino = ? WHERE parent = ? AND name = ?",
+                    c,
+                    "UPDATE dentries SET ino = ? WHERE parent = ? AND name = ?",
                     (dst.ino, parent, name),
                 )
                 self._x(
-                    c, "UPDATE dentries SET ino = ? WHERE parent = ? AND name = ?",
+                    c,
+                    "UPDATE dentries SET ino = ? WHERE parent = ? AND name = ?",
                     (src.ino, new_parent, new_name),
                 )
                 if src.is_dir != dst.is_dir and parent != new_parent:
@@ -316,11 +399,13 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
                     self._touch_dir(c, new_parent, -1)
                 else:
                     self._x(
-                        c, "UPDATE inodes SET nlink = nlink - 1, ctime = ? WHERE ino = ?",
+                        c,
+                        "UPDATE inodes SET nlink = nlink - 1, ctime = ? WHERE ino = ?",
                         (_now(), dst.ino),
                     )
             self._x(
-                c, "UPDATE dentries SET parent = ?, name = ? WHERE parent = ? AND name = ?",
+                c,
+                "UPDATE dentries SET parent = ?, name = ? WHERE parent = ? AND name = ?",
                 (new_parent, new_name, parent, name),
             )
             self._x(c, "UPDATE inodes SET ctime = ? WHERE ino = ?", (_now(), src.ino))
@@ -373,7 +458,9 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
                 a.mtime_ns = mtime_ns
             if size is not None and size != a.size:
                 if not a.is_reg:
-                    raise MetaError(errno.EISDIR if a.is_dir else errno.EINVAL, "not a regular file")
+                    raise MetaError(
+                        errno.EISDIR if a.is_dir else errno.EINVAL, "not a regular file"
+                    )
                 if size < 0:
                     raise MetaError(errno.EINVAL, f"negative size {size}")
                 if size < a.size:
@@ -387,28 +474,31 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
                 c,
                 "UPDATE inodes SET mode=?, uid=?, gid=?, size=?, atime=?, mtime=?, ctime=?, "
                 "generation=? WHERE ino=?",
-                (a.mode, a.uid, a.gid, a.size, a.atime_ns, a.mtime_ns, a.ctime_ns, a.generation, ino),
+                (
+                    a.mode,
+                    a.uid,
+                    a.gid,
+                    a.size,
+                    a.atime_ns,
+                    a.mtime_ns,
+                    a.ctime_ns,
+                    a.generation,
+                    ino,
+                ),
             )
             return a
 
     def _trim_extents(self, c: Any, ino: int, size: int) -> None:
-        rows = self._x(
-            c,
-            "SELECT offset, length, chunk, chunk_off FROM extents WHERE ino = ? AND offset + length > ?",
-            (ino, size),
-        ).fetchall()
+        keep: list[Extent] = []
         delta: Counter[bytes] = Counter()
-        for off, length, chunk, coff in rows:
-            chunk = bytes(chunk)
-            self._x(c, "DELETE FROM extents WHERE ino = ? AND offset = ?", (ino, off))
-            delta[chunk] -= 1
-            if off < size:
-                self._x(
-                    c,
-                    "INSERT INTO extents (ino, offset, length, chunk, chunk_off) VALUES (?,?,?,?,?)",
-                    (ino, off, size - off, chunk, coff),
-                )
-                delta[chunk] += 1
+        for e in unpack_extents(self._blob(c, ino)):
+            if e.offset + e.length <= size:
+                keep.append(e)
+            elif e.offset < size:
+                keep.append(Extent(e.offset, size - e.offset, e.chunk_id, e.chunk_off))
+            else:
+                delta[e.chunk_id] -= 1
+        self._x(c, "UPDATE inodes SET extents = ? WHERE ino = ?", (pack_extents(keep), ino))
         self._adjust_refs(c, dict(delta))
 
     def readlink(self, ino: int) -> bytes:
@@ -468,12 +558,7 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
     # -- data ----------------------------------------------------------------
     def get_extents(self, ino: int) -> list[Extent]:
         with self._read() as c:
-            rows = self._x(
-                c,
-                "SELECT offset, length, chunk, chunk_off FROM extents WHERE ino = ? ORDER BY offset",
-                (ino,),
-            ).fetchall()
-        return [Extent(r[0], r[1], bytes(r[2]), r[3]) for r in rows]
+            return unpack_extents(self._blob(c, ino))
 
     def commit_file(
         self,
@@ -490,21 +575,16 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
                 raise MetaError(errno.EISDIR if a.is_dir else errno.EINVAL, "not a regular file")
             now = _now()
             self._register_chunks(c, new_chunks, now)
-            self._check_known(c, {e.chunk_id for e in extents})
-            self._release_extents(c, ino)
-            c.executemany(
-                self._q(
-                    "INSERT INTO extents (ino, offset, length, chunk, chunk_off) VALUES (?,?,?,?,?)"
-                ),
-                [(ino, e.offset, e.length, e.chunk_id, e.chunk_off) for e in extents],
-            )
-            self._adjust_refs(c, Counter(e.chunk_id for e in extents))
+            delta = Counter(e.chunk_id for e in extents)
+            self._check_known(c, set(delta) - {ch.chunk_id for ch in new_chunks})
+            delta.subtract(blob_chunk_ids(self._blob(c, ino)))
+            self._adjust_refs(c, delta)
             mt = mtime_ns if mtime_ns is not None else now
             self._x(
                 c,
-                "UPDATE inodes SET size = ?, mtime = ?, ctime = ?, generation = generation + 1 "
-                "WHERE ino = ?",
-                (size, mt, now, ino),
+                "UPDATE inodes SET size = ?, mtime = ?, ctime = ?, generation = generation + 1, "
+                "extents = ? WHERE ino = ?",
+                (size, mt, now, pack_extents(extents), ino),
             )
             return self._getattr(c, ino)
 
@@ -523,7 +603,12 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
             c.executemany(self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), durable)
 
     def _check_known(self, c: Any, ids: set[bytes]) -> None:
+        if not ids:
+            return
         missing = self._missing(c, list(ids))
+        if missing:  # maybe only journalled so far (a checkpoint commit not yet applied)
+            self._settle(c)
+            missing = self._missing(c, list(missing))
         if missing:
             raise MetaError(
                 errno.EIO,
@@ -554,6 +639,7 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
 
     def chunk_info(self, ids: list[bytes]) -> dict[bytes, tuple[int, int, int, int]]:
         out: dict[bytes, tuple[int, int, int, int]] = {}
+        self.apply_pending()
         with self._read() as c:
             for i in range(0, len(ids), 500):
                 part = ids[i : i + 500]
@@ -568,11 +654,13 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
 
     def mark_durable(self, ids: list[bytes]) -> None:
         with self._tx() as c:
+            self._settle(c)  # a journalled chunk's row must exist, or the update is lost
             c.executemany(
                 self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), [(i,) for i in ids]
             )
 
     def stats(self) -> VolumeStats:
+        self.apply_pending()
         with self._read() as c:
             files, logical = self._one(
                 c,
