@@ -58,6 +58,7 @@ DURABILITY = ("local", "remote")
 _REC = struct.Struct("<B3x16sQQ")  # kind, chunk id, stored size, time_ns
 _CRC = struct.Struct("<I")
 REC_SIZE = _REC.size + _CRC.size  # 40
+ACTIVE_FILE = "foreground"  # status/foreground: mtime = last foreground put on this host
 KIND_PENDING, KIND_UPLOADED, KIND_DONE = ord("P"), ord("U"), ord("D")
 COMPACT_BYTES = 8 * 2**20  # rewrite a segment once it holds this many bytes of records
 
@@ -292,6 +293,10 @@ class WriteBehindTier:
         stall_timeout: float = 120.0,
         register_timeout: float = 3600.0,
         mark_batch: int = 256,
+        idle_s: float = 0.3,
+        high_water: float = 0.5,
+        max_defer_s: float = 30.0,
+        transcode: Callable[[bytes, int | None], bytes] | None = None,
     ) -> None:
         if durability not in DURABILITY:
             raise ValueError(f"durability must be local or remote, not {durability!r}")
@@ -307,6 +312,10 @@ class WriteBehindTier:
         self.stall_timeout = stall_timeout
         self.register_timeout = register_timeout
         self.mark_batch = mark_batch
+        self.idle_s = idle_s
+        self.high_water = high_water
+        self.max_defer_s = max_defer_s
+        self.transcode = transcode
         self.staged_dir = os.path.join(self.root, "staged")
         self.journal_dir = os.path.join(self.root, "journal")
         self.status_dir = os.path.join(self.root, "status")
@@ -319,6 +328,7 @@ class WriteBehindTier:
         name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.seg = Segment(self.journal_dir, name + ".log")
         self.status_path = os.path.join(self.status_dir, name + ".json")
+        self.active_path = os.path.join(self.status_dir, ACTIVE_FILE)
 
         self._cond = threading.Condition()
         self._pending: dict[bytes, tuple[int, int]] = {}  # journaled, not yet D
@@ -329,6 +339,13 @@ class WriteBehindTier:
         # uploaded, but the metadata does not know the chunk yet: (first try, last try)
         self._unregistered: dict[bytes, tuple[float, float]] = {}
         self._staging: dict[bytes, threading.Event] = {}
+        # written to tmp/ without fsync (put(sync=False)): acknowledged by sync_staged()
+        self._unsynced: dict[bytes, tuple[str, int]] = {}
+        self._hints: dict[bytes, int | None] = {}  # float width hint for transcode
+        self._sync_lock = threading.Lock()
+        self._last_put = 0.0  # monotonic time of this process's last foreground put
+        self._last_mark = 0.0  # wall time we last touched the host-wide activity file
+        self._flushing = 0  # flush() callers waiting: drain regardless of foreground writes
         self._own_staged = 0  # bytes of our pending files
         self._reserved = 0  # reserved, not yet renamed into staged/
         self._used = 0  # estimate: staged/ + cache/ of every process + reserved
@@ -357,23 +374,39 @@ class WriteBehindTier:
         self._write_status()
 
     # -- write path ---------------------------------------------------------------------------
-    def put(self, cid: bytes, blob: bytes) -> int:
-        """Store an encoded chunk; STAGED once fsync'd + journaled here, DURABLE once on R nodes."""
+    def put(self, cid: bytes, blob: bytes, *, sync: bool = True, width: int | None = None) -> int:
+        """Store an encoded chunk; STAGED once fsync'd + journaled here, DURABLE once on R nodes.
+
+        With sync=False the chunk is only written (no fsync, no journal record) and is
+        acknowledged by the next `sync_staged()`: a writer that commits many chunks at once
+        pays one batch of fsyncs at commit instead of three fsyncs per chunk. `width` is
+        the float width hint `transcode` gets at upload time."""
         if self._stop.is_set():
             raise RuntimeError("write-behind tier is closed")
+        self._foreground()
         if self.durability == "remote":
             self.store.put_encoded(cid, blob)
             self._cache_if_room(cid, blob)
             return DURABLE
+        if not sync:
+            return self._put_unsynced(cid, blob, width)
+        if width is not None:
+            self._hints[cid] = width
         while True:
             with self._cond:
                 if cid in self._pending:
                     return STAGED
+                if cid in self._unsynced:
+                    ev = None  # written unsynced by another writer: acknowledge it now
+                    break
                 ev = self._staging.get(cid)
                 if ev is None:
                     ev = self._staging[cid] = threading.Event()
                     break
             ev.wait()  # the same chunk is being staged by another thread: share its ack
+        if ev is None:
+            self.sync_staged()
+            return STAGED
         try:
             self._stage(cid, blob)
         finally:
@@ -381,6 +414,144 @@ class WriteBehindTier:
                 self._staging.pop(cid, None)
             ev.set()
         return STAGED
+
+    def _put_unsynced(self, cid: bytes, blob: bytes, width: int | None) -> int:
+        """Write to tmp/ (named by our pid: a crash leaves only temp files _clean_tmp removes)."""
+        with self._cond:
+            if cid in self._pending or cid in self._unsynced:
+                return STAGED
+            ev = self._staging.get(cid)
+        if ev is not None:
+            ev.wait()
+            with self._cond:
+                if cid in self._pending or cid in self._unsynced:
+                    return STAGED
+        n = len(blob)
+        self._reserve(n)
+        tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                view = memoryview(blob)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            with self._cond:
+                self._reserved -= n
+                self._used -= n
+                self._cond.notify_all()
+            if e.errno == errno.ENOSPC:
+                log.error("staging %s: disk full writing chunk %s", self.root, cid.hex())
+            raise
+        with self._cond:
+            if cid in self._unsynced or cid in self._pending:  # lost a race: keep the first
+                self._reserved -= n
+                self._used -= n
+                os.unlink(tmp)
+                return STAGED
+            self._unsynced[cid] = (tmp, n)
+            if width is not None:
+                self._hints[cid] = width
+        return STAGED
+
+    def sync_staged(self) -> int:
+        """Make every chunk put with sync=False durable here: fsync the files (in parallel,
+        one queue for the disk), rename them into staged/, one directory fsync, one journal
+        append + fsync. Returns the chunks acknowledged. Same crash-safety order as `put`."""
+        with self._sync_lock:
+            with self._cond:
+                batch = list(self._unsynced.items())
+            if not batch:
+                return 0
+            from concurrent.futures import ThreadPoolExecutor
+
+            def fsync_one(path: str) -> None:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+
+            paths = [tmp for _, (tmp, _) in batch]
+            with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
+                list(ex.map(fsync_one, paths))
+            for cid, (tmp, _) in batch:
+                os.rename(tmp, os.path.join(self.staged_dir, cid.hex()))
+            fsync_dir(self.staged_dir)
+            t_ns = time.time_ns()
+            self.seg.add_pending([(cid, n, t_ns) for cid, (_, n) in batch])
+            with self._cond:
+                for cid, (_, n) in batch:
+                    self._unsynced.pop(cid, None)
+                    self._reserved -= n
+                    self._own_staged += n
+                    self._pending[cid] = (n, t_ns)
+                    self._seq += 1
+                    heapq.heappush(self._queue, (t_ns, self._seq, cid))
+                self._cond.notify_all()
+            return len(batch)
+
+    def discard_unsynced(self) -> None:
+        """Drop chunks put with sync=False and never acknowledged (their save failed)."""
+        with self._sync_lock, self._cond:
+            batch, self._unsynced = self._unsynced, {}
+            for cid, (tmp, n) in batch.items():
+                self._hints.pop(cid, None)
+                self._reserved -= n
+                self._used -= n
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            self._cond.notify_all()
+
+    def _foreground(self) -> None:
+        """Note a foreground write, here and host-wide (the activity file's mtime), so every
+        uploader on the host holds off while any process on it is saving."""
+        self._last_put = time.monotonic()
+        now = time.time()
+        if now - self._last_mark >= 0.05:
+            self._last_mark = now
+            try:
+                os.utime(self.active_path)
+            except FileNotFoundError:
+                try:
+                    with open(self.active_path, "a"):
+                        pass
+                except OSError:
+                    pass
+            except OSError:
+                pass
+
+    def _should_drain(self) -> float:
+        """0 when the uploader may go now, else seconds to wait before asking again.
+
+        The uploader yields to foreground writes (they share the disk, and on small hosts the
+        CPU): it drains when the host has had no put for `idle_s`, on flush/close, when
+        staging passes `high_water` of its budget, or when the oldest chunk has waited
+        `max_defer_s` (a host that never stops writing still drains, oldest first)."""
+        if self._flushing or self._stop.is_set():
+            return 0.0
+        if self._used > self.high_water * self.budget:
+            return 0.0
+        if self._queue and time.time_ns() - self._queue[0][0] > self.max_defer_s * 1e9:
+            return 0.0
+        quiet = time.monotonic() - self._last_put
+        if quiet < self.idle_s:
+            return self.idle_s - quiet
+        try:
+            host_quiet = time.time() - os.stat(self.active_path).st_mtime
+        except OSError:
+            return 0.0
+        if host_quiet < self.idle_s:
+            return max(0.01, self.idle_s - host_quiet)
+        return 0.0
 
     def _stage(self, cid: bytes, blob: bytes) -> None:
         n = len(blob)
@@ -528,10 +699,16 @@ class WriteBehindTier:
     def _upload_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stop.is_set():
-                    self._cond.wait()
-                if self._stop.is_set():
-                    return
+                while True:
+                    if self._stop.is_set():
+                        return
+                    if not self._queue:
+                        self._cond.wait()
+                        continue
+                    wait = self._should_drain()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(min(wait, self.idle_s))
                 _, _, cid = heapq.heappop(self._queue)
                 self._uploading.add(cid)
             ok = False
@@ -539,6 +716,7 @@ class WriteBehindTier:
                 ok = self._upload_one(cid)
             except Exception:  # a bug must not kill the uploader: retry the chunk later
                 log.exception("uploader: unexpected error on chunk %s", cid.hex())
+                self._stop.wait(1.0)  # and must not spin on it
             with self._cond:
                 self._uploading.discard(cid)
                 if ok:
@@ -560,6 +738,14 @@ class WriteBehindTier:
                 # Only an uploader moves a file out of staged/, after it is durable: another
                 # process staged the same chunk and finished first.
                 return True
+            if self.transcode is not None:
+                try:
+                    blob = self.transcode(blob, self._hints.get(cid))
+                except codec.ChunkFormatError as e:
+                    log.error("staged chunk %s is corrupt, cannot upload: %s", cid.hex(), e)
+                    with self._cond:
+                        self.lost += 1
+                    return True  # nothing good to upload; never acknowledged as durable
             try:
                 t0 = time.monotonic()
                 self.store.put_encoded(cid, blob)
@@ -643,6 +829,7 @@ class WriteBehindTier:
                 else:
                     self._unregistered.pop(c, None)
             for c in batch:
+                self._hints.pop(c, None)
                 ent = self._pending.pop(c, None)
                 if ent is not None:
                     self._own_staged -= ent[0]
@@ -836,6 +1023,17 @@ class WriteBehindTier:
 
         `progress(done_bytes, total_bytes)` is called as the drain advances. Chunks whose file
         was never committed count as drained (they are on the nodes). TimeoutError on timeout."""
+        self.sync_staged()
+        with self._cond:
+            self._flushing += 1
+            self._cond.notify_all()
+        try:
+            self._flush(progress, timeout)
+        finally:
+            with self._cond:
+                self._flushing -= 1
+
+    def _flush(self, progress: Callable[[int, int], None] | None, timeout: float | None) -> None:
         end = None if timeout is None else time.monotonic() + timeout
         total = 0
         last = -1
@@ -865,6 +1063,7 @@ class WriteBehindTier:
             self._cond.notify_all()
         for t in self._threads:
             t.join()
+        self.discard_unsynced()  # never acknowledged: their save did not reach its commit
         try:
             self._mark(final=True)
         except Exception:

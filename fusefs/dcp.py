@@ -22,6 +22,7 @@ import atexit
 import dataclasses
 import errno
 import io
+import logging
 import os
 import pickle
 import re
@@ -34,8 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
@@ -59,11 +62,15 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from chunkstore import codec
+from chunkstore.ids import chunk_id
 from fusefs.volume import FileWriter, Volume
-from metadata.engine import Extent, MetaError, NewChunk
+from metadata.engine import DURABLE, Extent, MetaError, NewChunk
 
 __all__ = ["CkptfsWriter", "CkptfsReader", "latest_step", "resume_path", "parse_ckpt_path"]
 
+log = logging.getLogger("ckptfs.dcp")
+EXIT_DRAIN_S = 600.0  # how long a process waits at exit for its staged chunks to drain
 METADATA_FILE = ".metadata"
 READ_WINDOW = 256 * 2**20  # raw chunk bytes fetched ahead of the item being decoded
 _STEP_RE = re.compile(r"(\d+)$")
@@ -96,7 +103,12 @@ def _volume(spec: str, tier: TierSpec = None) -> Volume:
             vol = Volume.open(spec)
             if tier is not None:
                 try:
-                    vol.attach_tier(tier[0], tier[2], tier[1])
+                    vol.attach_tier(
+                        tier[0],
+                        tier[2],
+                        tier[1],
+                        transcode=_transcode_for(vol.settings.compression),
+                    )
                 except BaseException:
                     vol.close()
                     raise
@@ -113,19 +125,52 @@ def _tier_spec(staging: str | os.PathLike | bool | None, durability: str, size: 
     return (where, durability, size)
 
 
-def close_volumes() -> None:
-    """Close every volume this process opened (atexit; tests call it between volumes)."""
+def drain(timeout: float | None = None) -> None:
+    """Wait until every chunk this process staged is on the object nodes (marked durable).
+
+    Saves return once chunks are fsync'd in the host's write-behind tier; a reader on another
+    host (or one without the tier, e.g. a plain mount) needs them drained first."""
+    with _VLOCK:
+        tiers = [v.tier for k, v in _VOLUMES.items() if k[0] == os.getpid() and v.tier]
+    for t in tiers:
+        t.flush(timeout=timeout)
+
+
+def close_volumes(drain_timeout: float | None = EXIT_DRAIN_S) -> None:
+    """Close every volume this process opened (atexit; tests call it between volumes).
+
+    Staged chunks are drained first (up to `drain_timeout`): a process that exits right after
+    a save leaves its checkpoint on the nodes, not only journaled for the next tier on this
+    host to adopt (which is still what happens if the drain times out: nothing is lost)."""
     with _VLOCK:
         mine = [k for k in _VOLUMES if k[0] == os.getpid()]
         vols = [_VOLUMES.pop(k) for k in mine]
     for v in vols:
+        try:
+            if v.tier is not None and drain_timeout:
+                v.tier.flush(timeout=drain_timeout)
+        except Exception as e:  # the journal keeps what did not drain
+            log.warning("write-behind tier not drained at exit: %s", e)
         try:
             v.close()
         except Exception:  # noqa: S110 - best effort at exit
             pass
 
 
-atexit.register(close_volumes)
+def _register_exit_drain() -> None:
+    """Drain and close at exit *before* concurrent.futures stops accepting work (its hook
+    runs at threading shutdown, ahead of plain atexit; the tier's uploads need the pools).
+    threading._register_atexit hooks run last-registered first; atexit stays as a fallback."""
+    hook = getattr(threading, "_register_atexit", None)
+    if hook is not None:
+        try:
+            hook(close_volumes)
+        except RuntimeError:  # already shutting down
+            pass
+    atexit.register(close_volumes)
+
+
+_register_exit_drain()
 
 
 def _spec(volume: Any) -> str:
@@ -218,9 +263,10 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         deadline_s: float = 600.0,
         publish_timeout: float = 120.0,
         cache_staged_state_dict: bool = False,
-        staging: str | os.PathLike | bool | None = None,
+        staging: str | os.PathLike | bool | None = True,
         durability: str = "local",
         staging_size: int | None = None,
+        zip_crc32: bool = False,
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
@@ -232,6 +278,7 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         self.path = _norm_path(path)
         self.job, self.step = parse_ckpt_path(self.path, job, step)
         self.single_file_per_rank = single_file_per_rank
+        self.zip_crc32 = bool(zip_crc32)
         self.thread_count = thread_count
         self.deadline_s = deadline_s
         self.publish_timeout = publish_timeout
@@ -307,6 +354,9 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         self._plan = rp
         try:
             results, files = self._write_files(rp, plan.items, planner)
+            tier = _volume(self.volume, self.tier).tier
+            if tier is not None:
+                tier.sync_staged()  # one batch of fsyncs per rank, before its commit
             if self.is_coordinator:
                 self._pending = files  # committed with .metadata in finish()
             else:
@@ -317,6 +367,8 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         except BaseException as e:
             self._abort(f"rank {self.rank} failed in write_data: {e!r}")
             raise
+        finally:
+            self._discard_unsynced()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -332,10 +384,17 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         vol = _volume(self.volume, self.tier)
         work = list(zip(names, buckets, strict=True))
         if self.thread_count == 1 or len(work) <= 1:
-            done = [_write_file(vol, name, b, planner) for name, b in work]
+            done = [_write_file(vol, n, b, planner, zip_crc32=self.zip_crc32) for n, b in work]
         else:
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="ckptfs-dcp") as ex:
-                done = list(ex.map(lambda nb: _write_file(vol, nb[0], nb[1], planner), work))
+                done = list(
+                    ex.map(
+                        lambda nb: _write_file(
+                            vol, nb[0], nb[1], planner, zip_crc32=self.zip_crc32
+                        ),
+                        work,
+                    )
+                )
         results = [r for res, _ in done for r in res]
         return results, [f for _, f in done]
 
@@ -345,6 +404,15 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         return meta.commit_rank(
             self._plan.job, self._plan.step, self.rank, files, host=socket.gethostname()[:255]
         )
+
+    def _discard_unsynced(self) -> None:
+        """Staged-but-unsynced chunks left after write_data belong to a failed save."""
+        try:
+            tier = _volume(self.volume, self.tier).tier
+            if tier is not None:
+                tier.discard_unsynced()
+        except Exception:  # noqa: S110 - the original error is the one to report
+            pass
 
     def _abort(self, reason: str) -> None:
         rp = self._plan
@@ -419,44 +487,89 @@ class _ChunkFile:
     """A volume file being written, never committed to the namespace (commit_rank does that).
 
     Like fusefs.volume.FileWriter, plus what DCP knows: a forced cut at every item, a
-    codec hint per chunk from the item's dtype (float byte-grouping of the right width,
-    ~2.5x faster than probing for bf16), and bigger "which exist?" batches.
+    codec hint per chunk from the item's dtype, and bigger "which exist?" batches. With
+    fixed chunking (the default) a chunk is a list of pieces: the tensor's bytes stay where
+    they are (a view of its storage), are hashed in place, and are copied once, only when
+    the chunk is new, so an unchanged tensor costs a hash and a share of one query. With a
+    write-behind tier, new chunks are staged raw and unsynced (`tier.put(sync=False)`):
+    compression runs at upload time (`_transcode`), the fsyncs once per rank before commit.
     """
 
     def __init__(self, vol: Volume, batch: int, inflight: int) -> None:
         self.vol = vol
-        self.chunker = vol.make_chunker()
+        self.fixed = vol.settings.chunking == "fixed"
+        self.chunk_size = vol.settings.chunk_size
+        self.chunker = None if self.fixed else vol.make_chunker()
         self.batch_n = batch
         self.inflight_max = inflight
         self.size = 0
         self.extents: list[Extent] = []
         self.new_chunks: dict[bytes, NewChunk] = {}
         self.hint: tuple[str | None, int | None] = (None, None)
-        self._batch: list[tuple[int, bytes, tuple[str | None, int | None]]] = []
+        self._pieces: list[bytes | memoryview] = []
+        self._plen = 0
+        self._keep: list[torch.Tensor] = []  # tensors whose storage our pieces view
+        self._source: tuple[int, int] | None = None  # (address, nbytes) of the item's storage
+        self._batch: list[tuple[int, list[bytes | memoryview], int, tuple]] = []
         self._inflight: deque[tuple[CFuture, int]] = deque()
         self._inflight_bytes = 0
         self._planned: set[bytes] = set()
 
-    def set_dtype(self, dtype: torch.dtype | None) -> None:
-        width = _FLOAT_WIDTH.get(dtype) if dtype is not None else None
+    def set_item(self, t: torch.Tensor | None) -> None:
+        """The item about to be written: its dtype picks the codec hint; views of its storage
+        may be kept as chunk pieces (the tensor is kept alive until close)."""
+        width = _FLOAT_WIDTH.get(t.dtype) if t is not None else None
         if width is not None and self.vol.settings.compression == "auto":
             self.hint = ("float", width)
         else:
             self.hint = (None, None)
+        self._source = None
+        if t is not None and self.fixed and t.nbytes:
+            self._keep.append(t)
+            self._source = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+    def _stable(self, mv: memoryview) -> bool:
+        """Is this write a view of the item's own storage (safe to keep without a copy)?"""
+        if self._source is None or mv.nbytes < _KEEP_MIN:
+            return False
+        addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+        lo, n = self._source
+        return lo <= addr and addr + mv.nbytes <= lo + n
 
     def write(self, data: Any) -> int:
-        n = memoryview(data).nbytes
-        for ch in self.chunker.feed(data):
-            self._add(ch)
+        mv = memoryview(data)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        n = mv.nbytes
+        if self.chunker is not None:
+            for ch in self.chunker.feed(mv):
+                self._add([ch], len(ch))
+            return n
+        if not self._stable(mv):
+            mv = memoryview(bytes(mv))  # torch reuses its small buffers: copy those
+        pos = 0
+        while pos < n:
+            take = min(self.chunk_size - self._plen, n - pos)
+            self._pieces.append(mv[pos : pos + take])
+            self._plen += take
+            pos += take
+            if self._plen == self.chunk_size:
+                self.cut()
         return n
 
     def cut(self) -> None:
-        for ch in self.chunker.cut():
-            self._add(ch)
+        if self.chunker is not None:
+            for ch in self.chunker.cut():
+                self._add([ch], len(ch))
+            return
+        if self._plen:
+            pieces, n = self._pieces, self._plen
+            self._pieces, self._plen = [], 0
+            self._add(pieces, n)
 
-    def _add(self, raw: bytes) -> None:
-        self._batch.append((self.size, raw, self.hint))
-        self.size += len(raw)
+    def _add(self, pieces: list[bytes | memoryview], n: int) -> None:
+        self._batch.append((self.size, pieces, n, self.hint))
+        self.size += n
         if len(self._batch) >= self.batch_n:
             self._flush()
 
@@ -464,18 +577,19 @@ class _ChunkFile:
         if not self._batch:
             return
         batch, self._batch = self._batch, []
-        ids = self.vol.hash_many([raw for _, raw, _ in batch])
+        seed = self.vol.seed
+        ids = list(self.vol.pool.map(lambda b: _hash_pieces(b[1], seed), batch))
         ask = [cid for cid in dict.fromkeys(ids) if cid not in self._planned]
         missing = self.vol.meta.missing_chunks(ask) if ask else set()
-        for (off, raw, (codec_name, width)), cid in zip(batch, ids, strict=True):
-            self.extents.append(Extent(off, len(raw), cid, 0))
+        for (off, pieces, n, (codec_name, width)), cid in zip(batch, ids, strict=True):
+            self.extents.append(Extent(off, n, cid, 0))
             if cid in missing and cid not in self._planned:
                 self._planned.add(cid)
-                while self._inflight and self._inflight_bytes + len(raw) > self.inflight_max:
+                while self._inflight and self._inflight_bytes + n > self.inflight_max:
                     self._reap()
-                fut = self.vol.pool.submit(self.vol.store_chunk, cid, raw, codec_name, width)
-                self._inflight.append((fut, len(raw)))
-                self._inflight_bytes += len(raw)
+                fut = self.vol.pool.submit(_store, self.vol, cid, pieces, n, codec_name, width)
+                self._inflight.append((fut, n))
+                self._inflight_bytes += n
 
     def _reap(self) -> None:
         fut, n = self._inflight.popleft()
@@ -484,11 +598,14 @@ class _ChunkFile:
         self.new_chunks[rec.chunk_id] = rec
 
     def close(self) -> None:
-        for ch in self.chunker.finish():
-            self._add(ch)
+        if self.chunker is not None:
+            for ch in self.chunker.finish():
+                self._add([ch], len(ch))
+        self.cut()
         self._flush()
         while self._inflight:
             self._reap()
+        self._keep = []
 
     def abort(self) -> None:
         while self._inflight:
@@ -498,6 +615,93 @@ class _ChunkFile:
                 fut.result()
             except BaseException:  # noqa: S110 - the first error is the one reported
                 pass
+        self._keep = []
+
+
+_KEEP_MIN = 64 * 1024  # smaller writes are copied (cheap, and may be torch's own buffers)
+
+
+def _hash_pieces(pieces: list[bytes | memoryview], seed: int) -> bytes:
+    """Chunk id of the concatenated pieces, without concatenating them."""
+    if len(pieces) == 1:
+        return chunk_id(pieces[0], seed)
+    h = xxhash.xxh3_128(seed=seed)
+    for p in pieces:
+        h.update(p)
+    return h.digest()
+
+
+def _store(
+    vol: Volume,
+    cid: bytes,
+    pieces: list[bytes | memoryview],
+    n: int,
+    codec_name: str | None,
+    width: int | None,
+) -> NewChunk:
+    """Encode and store one new chunk. With a local-durability tier: raw, unsynced (the
+    tier compresses at upload time and the rank syncs once before commit)."""
+    raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    tier = vol.tier
+    if tier is not None and tier.durability == "local":
+        blob = codec.encode(raw, "none")
+        state = tier.put(cid, blob, sync=False, width=width)
+        return NewChunk(cid, n, len(blob), state)
+    blob = codec.encode(raw, codec_name or vol.settings.compression, elem_width=width)
+    if tier is not None:
+        state = tier.put(cid, blob)
+    else:
+        vol.store.put_encoded(cid, blob)
+        state = DURABLE
+    return NewChunk(cid, n, len(blob), state)
+
+
+def _transcode_for(compression: str) -> Any:
+    """The tier's upload-time codec: a chunk staged raw is compressed before it leaves."""
+
+    def transcode(blob: bytes, width: int | None) -> bytes:
+        if codec.header_info(blob)[1] != "none" or compression == "none":
+            return blob
+        return codec.encode(codec.decode(blob), compression, elem_width=width)
+
+    return transcode
+
+
+def _save_tensor(t: torch.Tensor, sink: Any) -> None:
+    """torch.save(t, sink) without the zip CRC32 (the chunks carry their own checksums).
+
+    torch computes a CRC32 of every record unless told not to, and the switch
+    (`set_crc32_options`) is process-global. This builds the same zip writer torch.save does
+    with the flag passed explicitly, so nothing global changes (async THREAD saves, other
+    threads' torch.save are unaffected). Bytes and offsets equal torch.save's with CRC off."""
+    if _NO_CRC_SAVE is None:
+        torch.save(t, sink)
+        return
+    writer = torch._C.PyTorchFileWriter(sink, False, _NO_CRC_SAVE)
+    torch.serialization._save(t, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    writer.write_end_of_file()
+
+
+def _no_crc_alignment() -> int | None:
+    """Storage alignment for _save_tensor, or None if this torch's internals differ."""
+    try:
+        import inspect
+
+        params = list(inspect.signature(torch.serialization._save).parameters)
+        if params != [
+            "obj",
+            "zip_file",
+            "pickle_module",
+            "pickle_protocol",
+            "_disable_byteorder_record",
+        ]:
+            return None
+        return int(torch.serialization._get_storage_alignment())
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+_NO_CRC_SAVE = _no_crc_alignment()
 
 
 def _write_file(
@@ -507,6 +711,7 @@ def _write_file(
     planner: SavePlanner,
     batch: int = 16,
     inflight: int = 64 * 2**20,
+    zip_crc32: bool = False,
 ) -> tuple[list[WriteResult], dict]:
     """One .distcp file, in FileSystemWriter's order: byte items, then tensors."""
     w = _ChunkFile(vol, batch, inflight)
@@ -517,17 +722,20 @@ def _write_file(
             if not isinstance(data, io.BytesIO):
                 raise TypeError(f"{item.index.fqn}: byte item resolved to {type(data).__name__}")
             w.cut()
-            w.set_dtype(None)
+            w.set_item(None)
             off = w.size
             n = w.write(data.getbuffer())
             results.append(_result(item, name, off, n))
         for item in [i for i in items if i.type != WriteItemType.BYTE_IO]:
             t = _cpu_tensor(planner.resolve_data(item))
             w.cut()  # item boundary = chunk boundary: unchanged tensors dedup
-            w.set_dtype(t.dtype)
+            w.set_item(t)
             off = w.size
             sink = _Sink(w)
-            torch.save(t, sink)
+            if zip_crc32:
+                torch.save(t, sink)
+            else:
+                _save_tensor(t, sink)
             results.append(_result(item, name, off, sink.n))
         w.close()
     except BaseException:
@@ -550,7 +758,7 @@ class CkptfsReader(StorageReader):
         path: str,
         *,
         read_window: int = READ_WINDOW,
-        staging: str | os.PathLike | bool | None = None,
+        staging: str | os.PathLike | bool | None = True,
         staging_size: int | None = None,
     ) -> None:
         super().__init__()

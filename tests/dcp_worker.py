@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType 
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
-from fusefs.dcp import CkptfsReader, CkptfsWriter, latest_step, resume_path  # noqa: E402
+from fusefs.dcp import CkptfsReader, CkptfsWriter, drain, latest_step, resume_path  # noqa: E402
 
 N_TENSORS = 20
 ROWS, COLS = 256, 512
@@ -212,6 +212,11 @@ def scenario_cross(res: Results, mesh, vol: str) -> None:
     """2 ranks, through the FUSE mount: native save -> FileSystemReader, and the reverse."""
     mnt = os.environ["CKPT_MOUNT"]
     dcp.save(state_dict(mesh, 1), storage_writer=CkptfsWriter(vol, path(1, "native")))
+    # the save returned once staged on this host: a reader without the tier (the mount)
+    # needs it drained to the nodes, which is what latest_durable reports
+    drain(timeout=120)
+    dist.barrier()
+    res.check("durable_after_drain", latest_step(vol, "native", durable=True) == 1)
     target = state_dict(mesh, 1, zeros=True)
     dcp.load(target, storage_reader=FileSystemReader(os.path.join(mnt, path(1, "native"))))
     res.check("native_to_fsreader", *compare(target, 1))

@@ -19,7 +19,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fusefs.dcp import CkptfsReader, CkptfsWriter, close_volumes, latest_step, parse_ckpt_path
+from fusefs.dcp import (
+    CkptfsReader,
+    CkptfsWriter,
+    close_volumes,
+    drain,
+    latest_step,
+    parse_ckpt_path,
+)
 from fusefs.volume import Volume, VolumeSettings
 from metadata.engine import MetaError
 
@@ -100,6 +107,19 @@ def assert_checks(results: list[dict], *names: str) -> None:
             assert ok, f"rank {r}: {name}: {detail}"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _staging_home(tmp_path_factory):
+    """The DCP backend stages in the default per-host directory: keep it in tmp. Ranks and
+    mounts inherit it, so they share one staging directory per volume, as on a real host."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A volume after the 4-rank 'save' scenario (steps 1, 2 published; 3 failed)."""
@@ -117,21 +137,49 @@ def test_four_ranks_save_and_load_exactly(saved):
 
 
 def test_layout_matches_filesystem_writer(saved, tmp_path):
-    """Same files and same bytes as FileSystemWriter for the same plan (single process)."""
+    """Same files and same bytes as FileSystemWriter for the same plan (single process).
+
+    By default the zip CRC32 torch.save computes is skipped (our chunks carry their own
+    checksums): the bytes then equal FileSystemWriter's with torch's CRC option off, and
+    FileSystemReader loads them; zip_crc32=True gives FileSystemWriter's exact bytes."""
     vol, _, _ = saved
     sd = {f"t{i}": W.full(i, 1) for i in range(4)} | {"meta": {"a": 1}}
     dcp.save(sd, storage_writer=CkptfsWriter(vol, "layout/step-1"), no_dist=True)
+    dcp.save(sd, storage_writer=CkptfsWriter(vol, "layout/step-2", zip_crc32=True), no_dist=True)
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "fs")), no_dist=True)
+    assert torch.serialization.get_crc32_options()  # nothing process-global was changed
+    drain(timeout=120)  # read back below by a Volume without the host tier
+    torch.serialization.set_crc32_options(False)
+    try:
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "nocrc")), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(True)
     with Volume.open(vol) as v:
         names = sorted(n.decode() for n, _ in v.listdir("layout/step-1"))
         assert names == sorted(os.listdir(tmp_path / "fs"))
+        theirs = dcp.FileSystemReader(str(tmp_path / "fs")).read_metadata()
         for n in names:
-            if n != ".metadata":
-                assert v.read_file(f"layout/step-1/{n}") == (tmp_path / "fs" / n).read_bytes()
-    theirs = dcp.FileSystemReader(str(tmp_path / "fs")).read_metadata()
-    mine = CkptfsReader(vol, "layout/step-1").read_metadata()
-    assert mine.storage_data == theirs.storage_data
-    assert mine.state_dict_metadata == theirs.state_dict_metadata
+            if n == ".metadata":
+                continue
+            mine = v.read_file(f"layout/step-1/{n}")
+            fs, nocrc = (tmp_path / "fs" / n).read_bytes(), (tmp_path / "nocrc" / n).read_bytes()
+            assert len(mine) == len(fs) == len(nocrc)
+            assert v.read_file(f"layout/step-2/{n}") == fs
+            # tensors equal torch.save's with CRC off; byte items (pickled by DCP's planner
+            # with the process setting, CRC on) equal FileSystemWriter's own
+            items = [s for s in theirs.storage_data.values() if s.relative_path == n]
+            assert sum(s.length for s in items) == len(fs) and len(items) >= 4
+            for s in items:
+                got = mine[s.offset : s.offset + s.length]
+                ref = got == fs[s.offset : s.offset + s.length]
+                assert ref or got == nocrc[s.offset : s.offset + s.length], s
+            (tmp_path / "nocrc" / n).write_bytes(mine)  # FileSystemReader on our bytes
+    mine_md = CkptfsReader(vol, "layout/step-1").read_metadata()
+    assert mine_md.storage_data == theirs.storage_data
+    assert mine_md.state_dict_metadata == theirs.state_dict_metadata
+    out = {f"t{i}": torch.zeros_like(W.full(i, 1)) for i in range(4)} | {"meta": {"a": 0}}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(tmp_path / "nocrc")), no_dist=True)
+    assert all(torch.equal(out[f"t{i}"], W.full(i, 1)) for i in range(4)) and out["meta"]["a"] == 1
 
 
 def test_step2_mostly_unchanged_stores_little(saved):
@@ -232,7 +280,13 @@ def mounted(tmp_path):
 def test_cross_format_through_the_mount(mounted, tmp_path):
     vol, mnt = mounted
     results = launch("cross", 2, vol, str(tmp_path / "out"), CKPT_MOUNT=mnt)
-    assert_checks(results, "native_to_fsreader", "fswriter_to_native", "fswriter_bytes_item")
+    assert_checks(
+        results,
+        "durable_after_drain",
+        "native_to_fsreader",
+        "fswriter_to_native",
+        "fswriter_bytes_item",
+    )
 
 
 # -- single-process checks: argument errors, unpublished steps -----------------------------
