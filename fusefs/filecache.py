@@ -15,7 +15,13 @@ sealed early when it is exceeded) plus `inflight_max` bytes being stored
 (writers wait above it). Flush/fsync/close seal what is left and commit the
 file's full extent list in one metadata call.
 
-Reads see committed extents, then blocks being stored, then dirty spans.
+Existence checks are grouped: while one "which of these chunks exist?" query runs, the
+ids of blocks sealed meanwhile queue up for the next one, so concurrent writers cost one
+metadata transaction per batch, not one per block. A file that is one small block (the
+small-file case) is hashed, stored and committed in a single worker call at close.
+
+Reads see committed extents, then blocks being stored, then dirty spans. A read inside one
+cached chunk is answered with a view of it (no copy on the trio thread).
 Chunks are fetched in worker threads with single-flight (one fetch per chunk
 however many readers wait) and sequential readers get read-ahead of the
 following chunks.
@@ -256,6 +262,21 @@ class _Slot:
         self.nbytes = 0
 
 
+class _Ask:
+    """One chunk id waiting for a grouped existence check."""
+
+    __slots__ = ("event", "missing", "error")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.missing = True
+        self.error: BaseException | None = None
+
+
+SMALL_COMMIT = 256 * 1024  # a file that is one block up to this size: store+commit in one call
+ASK_BATCH = 256  # ids per grouped existence query
+
+
 class FileCache:
     """Dirty state of every open inode, the write pipeline and the chunk read cache."""
 
@@ -288,6 +309,8 @@ class FileCache:
         self._chunks: OrderedDict[bytes, _Slot] = OrderedDict()
         self._cached_bytes = 0
         self._changed = trio.lowlevel.ParkingLot()
+        self._asks: dict[bytes, _Ask] = {}
+        self._asking = False
 
     async def meta(self, fn, *args, **kw):
         """Run a blocking metadata call in a worker thread."""
@@ -401,9 +424,19 @@ class FileCache:
 
     async def _store(self, st: FileState, idx: int, data: memoryview, buf: bytearray) -> None:
         try:
-            cid, rec = await trio.to_thread.run_sync(
-                self._hash_and_store, data, limiter=self.store_limiter
-            )
+            if len(data) <= SMALL_COMMIT:  # one worker call: a grouped query costs more hops
+                cid, rec = await trio.to_thread.run_sync(
+                    self._hash_and_store, data, limiter=self.store_limiter
+                )
+            else:
+                cid = await trio.to_thread.run_sync(
+                    chunk_id, data, self.vol.seed, limiter=self.store_limiter
+                )
+                rec = None
+                if await self.is_missing(cid):
+                    rec = await trio.to_thread.run_sync(
+                        self.vol.store_chunk, cid, data, limiter=self.store_limiter
+                    )
         except Exception as e:  # the writer learns it at flush/fsync/close
             log.error("storing block %d of inode %d failed: %s", idx, st.ino, e)
             st.error = e
@@ -426,6 +459,37 @@ class FileCache:
             return cid, None
         return cid, self.vol.store_chunk(cid, data)
 
+    async def is_missing(self, cid: bytes) -> bool:
+        """Whether the metadata lacks this chunk, asked together with every id queued meanwhile."""
+        ask = self._asks.get(cid)
+        if ask is None:
+            ask = self._asks[cid] = _Ask()
+            if not self._asking:
+                self._asking = True
+                self.nursery.start_soon(self._ask_loop)
+        await ask.event.wait()
+        if ask.error is not None:
+            raise ask.error
+        return ask.missing
+
+    async def _ask_loop(self) -> None:
+        try:
+            while self._asks:
+                ids = list(self._asks)[:ASK_BATCH]
+                batch = {cid: self._asks.pop(cid) for cid in ids}
+                try:
+                    missing = await self.meta(self.vol.meta.missing_chunks, ids)
+                except Exception as e:
+                    for ask in batch.values():
+                        ask.error = e
+                        ask.event.set()
+                    continue
+                for cid, ask in batch.items():
+                    ask.missing = cid in missing
+                    ask.event.set()
+        finally:
+            self._asking = False
+
     async def settle(self, st: FileState) -> None:
         """Seal every dirty block of the file and wait until all are stored."""
         for _ in range(8):
@@ -439,6 +503,8 @@ class FileCache:
     async def commit(self, st: FileState) -> None:
         """Store and publish the file's current content (flush, fsync, close)."""
         async with st.commit_lock:
+            if await self._commit_small(st):
+                return
             await self.settle(st)
             if st.error is not None:
                 raise FileError(errno.EIO, f"write error on inode {st.ino}: {st.error}")
@@ -459,6 +525,59 @@ class FileCache:
                 st.new_chunks.pop(cid, None)
             st.attr = attr
             st.committed = version
+
+    async def _commit_small(self, st: FileState) -> bool:
+        """A file that is one small, fully written block: hash, store and commit in one call.
+
+        Saves the small-file close two trips between the trio thread and the workers."""
+        if st.error is not None or st.sealing or len(st.blocks) != 1 or st.size > SMALL_COMMIT:
+            return False
+        ((idx, blk),) = st.blocks.items()
+        lo = idx * self.block
+        length = st.size - lo
+        if blk.busy or idx != 0 or length <= 0 or blk.gaps(0, length):
+            return False
+        self._forget_block(st, idx, blk)
+        data = bytes(blk.buf[:length])
+        self.pool.put(blk.buf)
+        st.sealing[idx] = memoryview(data)
+        version, size, mtime_ns = st.version, st.size, st.mtime_ns
+        chunks = dict(st.new_chunks)
+        base = st.extents
+
+        def work() -> tuple[bytes, NewChunk | None, Attr | Exception]:
+            cid, rec = self._hash_and_store(data)
+            mine = dict(chunks)
+            if rec is not None:
+                mine[cid] = rec
+            extents = clip(splice(base, lo, lo + length, [Extent(lo, length, cid, 0)]), size)
+            try:
+                attr = self.vol.meta.commit_file(
+                    st.ino, extents, size, list(mine.values()), mtime_ns=mtime_ns
+                )
+            except Exception as e:  # stored but not published: the next commit retries
+                return cid, rec, e
+            return cid, rec, attr
+
+        try:
+            cid, rec, attr = await trio.to_thread.run_sync(work, limiter=self.store_limiter)
+        except Exception as e:  # the store failed: like a failed background store
+            log.error("storing the block of inode %d failed: %s", st.ino, e)
+            st.error = e
+            raise FileError(errno.EIO, f"write error on inode {st.ino}: {e}") from None
+        finally:
+            st.sealing.pop(idx, None)
+            self._changed.unpark_all()
+        st.set_extents(splice(st.extents, lo, lo + length, [Extent(lo, length, cid, 0)]))
+        if isinstance(attr, Exception):
+            if rec is not None:
+                st.new_chunks[cid] = rec
+            raise attr
+        for c in chunks:
+            st.new_chunks.pop(c, None)
+        st.attr = attr
+        st.committed = version
+        return True
 
     async def shutdown(self) -> None:
         """Unmount: publish every file still dirty (best effort, logged)."""
@@ -502,7 +621,7 @@ class FileCache:
         out = bytearray(data)
         for s, buf in layers + spans:
             out[s - off : s - off + len(buf)] = buf
-        return bytes(out)
+        return out
 
     async def _read_extents(
         self,
@@ -512,8 +631,10 @@ class FileCache:
         size: int,
         *,
         readahead: bool = False,
-    ) -> bytes:
-        """Bytes [off, off+size) of an extent list; holes read as zeros."""
+    ) -> bytes | bytearray | memoryview:
+        """Bytes [off, off+size) of an extent list; holes read as zeros.
+
+        Inside one chunk the answer is a view of the cached chunk, not a copy."""
         end = off + size
         starts = (
             st.starts() if st is not None and st.extents is extents else [e.offset for e in extents]
@@ -526,15 +647,16 @@ class FileCache:
             if e.offset <= off and e.offset + e.length >= end:
                 raw = await self.chunk(e.chunk_id)
                 s = e.chunk_off + off - e.offset
-                return raw[s : s + size]
+                return memoryview(raw)[s : s + size]
         slots = [(extents[i], self._slot(extents[i].chunk_id)) for i in idx]
         out = bytearray(size)
         for e, slot in slots:
             raw = await self._wait(e.chunk_id, slot)
             s = max(off, e.offset)
             t = min(end, e.offset + e.length)
-            out[s - off : t - off] = raw[e.chunk_off + s - e.offset : e.chunk_off + t - e.offset]
-        return bytes(out)
+            view = memoryview(raw)[e.chunk_off + s - e.offset : e.chunk_off + t - e.offset]
+            out[s - off : t - off] = view
+        return out
 
     def _prefetch(self, extents: list[Extent]) -> None:
         for e in extents:

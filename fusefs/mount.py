@@ -168,6 +168,16 @@ class CkptFS(pyfuse3.Operations):
                 mode |= stat.S_ISGID
         return ctx.uid, gid, mode
 
+    async def _make(self, parent_inode: int, name: bytes, mode: int, ctx, **kw) -> Attr:
+        """Create an inode owned as `_owner` says, in one worker call (no separate getattr)."""
+
+        def make() -> Attr:
+            parent = self.vol.meta.getattr(parent_inode)
+            uid, gid, m = self._owner(parent, ctx, mode)
+            return self.vol.meta.create(parent_inode, name, m, uid, gid, **kw)
+
+        return await self.meta(make)
+
     # -- namespace -------------------------------------------------------------
     @handler
     async def lookup(self, parent_inode, name, ctx=None):
@@ -226,24 +236,17 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        parent = await self.meta(self.vol.meta.getattr, parent_inode)
-        uid, gid, mode = self._owner(parent, ctx, mode)
-        return self._ref(await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid))
+        return self._ref(await self._make(parent_inode, name, mode, ctx))
 
     @handler
     async def mkdir(self, parent_inode, name, mode, ctx):
-        parent = await self.meta(self.vol.meta.getattr, parent_inode)
-        uid, gid, mode = self._owner(parent, ctx, stat.S_IFDIR | (mode & 0o7777))
-        return self._ref(await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid))
+        return self._ref(await self._make(parent_inode, name, stat.S_IFDIR | (mode & 0o7777), ctx))
 
     @handler
     async def symlink(self, parent_inode, name, target, ctx):
-        parent = await self.meta(self.vol.meta.getattr, parent_inode)
-        uid, gid, mode = self._owner(parent, ctx, stat.S_IFLNK | 0o777)
-        a = await self.meta(
-            lambda: self.vol.meta.create(parent_inode, name, mode, uid, gid, target=target)
+        return self._ref(
+            await self._make(parent_inode, name, stat.S_IFLNK | 0o777, ctx, target=target)
         )
-        return self._ref(a)
 
     @handler
     async def link(self, inode, new_parent_inode, new_name, ctx):
@@ -387,9 +390,7 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def create(self, parent_inode, name, mode, flags, ctx):
-        parent = await self.meta(self.vol.meta.getattr, parent_inode)
-        uid, gid, mode = self._owner(parent, ctx, stat.S_IFREG | (mode & 0o7777))
-        a = await self.meta(self.vol.meta.create, parent_inode, name, mode, uid, gid)
+        a = await self._make(parent_inode, name, stat.S_IFREG | (mode & 0o7777), ctx)
         entry = self._ref(a)
         st = await self.cache.open_state(a)
         self.page_gen[a.ino] = a.generation
