@@ -133,6 +133,10 @@ def _check_int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
     return v
 
 
+def _chk_ids(data: bytes) -> list[bytes]:
+    return [data[i : i + 16] for i in range(0, len(data), CHK.size)]
+
+
 def _norm_files(files: Any) -> list[tuple[bytes, list[bytes], int, bytes, bytes]]:
     """Validate a rank's files: (path, parts, size, packed extents, packed new chunks)."""
     if not isinstance(files, list):
@@ -441,9 +445,9 @@ class CheckpointMixin:
         ask: set[bytes] = set()
         for t in fresh:
             for f in t[4]:
-                ask.update(blob_chunk_ids(f[3]))
-            for f in t[4]:
-                ask.difference_update(r[0] for r in CHK.iter_unpack(f[4]))
+                ext_ids, new_ids = blob_chunk_ids(f[3]), _chk_ids(f[4])
+                if ext_ids != new_ids:  # the common case: every extent a new chunk, in order
+                    ask.update(set(ext_ids).difference(new_ids))
         if not ask:
             return fresh
         missing = self._missing(c, sorted(ask))

@@ -39,7 +39,7 @@ _SET = 20
 # A method added to the engine becomes remote by adding its name here.
 READ_METHODS = frozenset(
     {
-        "get_config", "lookup", "getattr", "readdir", "readlink", "get_xattr", "list_xattr",
+        "ping", "get_config", "lookup", "getattr", "readdir", "readlink", "get_xattr", "list_xattr",
         "get_extents", "chunk_info", "stats", "step_state", "wait_published", "latest",
         "latest_durable", "manifest", "list_checkpoints", "checkpoint_info",
     }

@@ -1,14 +1,20 @@
 """The metadata service: one engine shared by many hosts over TCP (trio).
 
 Every connection authenticates first (constant-time token compare), then
-pipelines requests; each request runs as its own task, and blocking engine
-calls go to worker threads under one CapacityLimiter. Three requests get
-special handling because thousands of ranks send them at the same moment:
+pipelines requests. The connection's reader decodes each request and routes
+it without a task where it can; answers are queued to one writer task per
+connection that sends everything ready in one write. Requests that need the
+engine run as tasks, blocking calls in worker threads under one
+CapacityLimiter. Three requests get special handling because thousands of
+ranks send them at the same moment:
 
-- commit_rank: queued to one batcher task that hands everything waiting to
-  `engine.commit_ranks` in one transaction (group commit);
-- manifest: built once per published step and encoded once (whole and per
-  rank); every request is answered from that encoding, never the database;
+- commit_rank: appended to the batcher's queue (no task, no thread); the
+  batcher hands everything waiting to `engine.commit_ranks` in one thread
+  call and one transaction (group commit). Between batches it applies the
+  engine's pending-reference journal in small slices;
+- manifest: built once per published step (right at publish) and encoded
+  once, whole and per rank; a request for a built step is answered on the
+  reader, from that encoding, with no thread hop and no database access;
 - wait_published: answered from in-memory terminal states, woken by local
   publishes, with a slow database poll for steps published elsewhere.
 
@@ -22,7 +28,6 @@ from __future__ import annotations
 import errno
 import hmac
 import logging
-import math
 import os
 from collections import OrderedDict
 from functools import partial
@@ -47,8 +52,10 @@ from metadata.protocol import (
 log = logging.getLogger("ckptfs.meta")
 
 HANDSHAKE_TIMEOUT = 10.0
-MAX_INFLIGHT_PER_CONN = 512
-MAX_BATCH = 2048
+MAX_INFLIGHT_PER_CONN = 4096
+MAX_BATCH = 4096
+APPLY_IDLE = 0.05  # no request for this long: apply a slice of the reference journal
+APPLY_SLICE = 32  # journal entries (rank commits) per slice: ~10-50 ms of engine time
 IDEM_KEEP = 200_000
 MANIFESTS_KEEP = 8
 EXPIRE_EVERY = 0.5
@@ -73,22 +80,106 @@ def absolute_config(config: dict, base_dir: str | None) -> dict:
 
 
 class _Slot:
-    """One waiter's answer from a shared computation (group commit, idempotency)."""
+    """One outcome shared by several waiters (an idempotency key, a cached manifest).
+
+    Waiters are plain callbacks or trio events, so answering a request from a
+    slot needs no task of its own.
+    """
+
+    __slots__ = ("done", "result", "error", "_waiters")
 
     def __init__(self) -> None:
-        self.event = trio.Event()
+        self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
+        self._waiters: list[Any] = []
 
     def set(self, result: Any = None, error: BaseException | None = None) -> None:
-        self.result, self.error = result, error
-        self.event.set()
+        self.result, self.error, self.done = result, error, True
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            w(self)
+
+    def add(self, callback: Any) -> None:
+        if self.done:
+            callback(self)
+        else:
+            self._waiters.append(callback)
 
     async def get(self) -> Any:
-        await self.event.wait()
+        if not self.done:
+            event = trio.Event()
+            self._waiters.append(lambda _s: event.set())
+            await event.wait()
         if self.error is not None:
             raise self.error
         return self.result
+
+
+class _Conn:
+    """One client connection: answers are queued here and written by one task, coalesced."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.out: list[bytes] = []
+        self.wake = trio.Event()
+        self.inflight = 0
+        self.drained = trio.Event()
+        self.closed = False
+
+    def send(self, body: bytes) -> None:
+        if self.closed:
+            return
+        self.out.append(len(body).to_bytes(4, "big"))
+        self.out.append(body)
+        self.wake.set()
+
+    def reply(
+        self, rid: int, outcome: _Slot | tuple[Any, BaseException | None], method: str
+    ) -> None:
+        """Answer request `rid` from an outcome (result or error); frees its in-flight slot."""
+        result, error = (outcome.result, outcome.error) if isinstance(outcome, _Slot) else outcome
+        self.inflight -= 1
+        if self.inflight < MAX_INFLIGHT_PER_CONN:
+            self.drained.set()
+        try:
+            if error is None:
+                body = encode([rid, 0, result])
+            else:
+                body = encode([rid, *_error_reply(method, error)])
+        except Exception as e:  # noqa: BLE001 - an unencodable result must not kill the conn
+            log.exception("cannot encode the answer of %s", method)
+            body = encode([rid, errno.EIO, f"{method}: unencodable result: {e}"])
+        self.send(body)
+
+    async def writer(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake = trio.Event()
+            data, self.out = b"".join(self.out), []
+            if data:
+                await self.stream.send_all(data)
+
+
+def _error_reply(method: str, e: BaseException) -> tuple[int, str]:
+    if isinstance(e, MetaError):
+        return e.errno or errno.EIO, str(e)
+    if isinstance(e, TypeError | ValueError):
+        return errno.EINVAL, f"bad arguments for {method}: {e}"
+    return errno.EIO, f"{method} failed: {type(e).__name__}: {e}"
+
+
+def _commit_args(
+    job: str, step: int, rank: int, files: list, *, host: str = ""
+) -> tuple[str, int, int, list, str]:
+    return job, step, rank, files, host
+
+
+def _manifest_args(job: str, step: int, rank: int | None = None) -> tuple[str, int, int | None]:
+    return job, step, rank
+
+
+_EMPTY = msgspec.Raw(b"\x90")  # an empty msgpack array
 
 
 class MetaService:
@@ -106,19 +197,28 @@ class MetaService:
         self.base_dir = base_dir
         self.max_frame = max_frame
         self.limiter = trio.CapacityLimiter(threads)
-        self._commits_in, self._commits_out = trio.open_memory_channel(math.inf)
+        self._commits: list[tuple[tuple, Any]] = []
+        self._commits_wake = trio.Event()
+        self._journal_dirty = True  # a previous run may have left pending references
+        self._last_request = 0.0
+        self._building = 0  # manifests being built: the fan-out comes next, don't apply
         self._idem: OrderedDict[bytes, _Slot] = OrderedDict()
-        self._manifests: OrderedDict[tuple, Any] = OrderedDict()
+        self._manifests: OrderedDict[tuple, _Slot] = OrderedDict()
         self._terminal: dict[tuple[str, int], dict] = {}
         self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
         self.connections = 0
-        self.stats = {"requests": 0, "batches": 0, "batched_commits": 0, "bad_clients": 0}
+        self.stats = {
+            "requests": 0, "inline": 0, "batches": 0, "batched_commits": 0, "bad_clients": 0,
+            "journal_slices": 0,
+        }  # fmt: skip
 
     # -- lifecycle -------------------------------------------------------------
     async def serve(
         self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
     ) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             listeners = await trio.open_tcp_listeners(port, host=host)
             nursery.start_soon(self._batcher)
             nursery.start_soon(self._expirer)
@@ -182,74 +282,99 @@ class MetaService:
             )
             return
         await stream.send_all(encode_frame({"ok": True, "proto": PROTO_VERSION}))
-        send_lock = trio.Lock()
-        slots = trio.Semaphore(MAX_INFLIGHT_PER_CONN)
-        async with trio.open_nursery() as nursery:
-            while True:
-                for body in frames:
-                    req = parse_request(body)
-                    await slots.acquire()
-                    nursery.start_soon(self._request, stream, send_lock, slots, req)
-                data = await stream.receive_some(1 << 20)
-                if not data:
-                    break
-                frames = dec.feed(data)
-            nursery.cancel_scope.deadline = trio.current_time() + 600  # let answers finish
-
-    async def _request(
-        self, stream: trio.SocketStream, lock: trio.Lock, slots: trio.Semaphore, req: tuple
-    ) -> None:
-        rid, method, args, kwargs, key = req
-        self.stats["requests"] += 1
+        conn = _Conn(stream)
         try:
-            try:
-                result = await self._call(method, args, kwargs, key)
-                out = encode([rid, 0, result])
-            except MetaError as e:
-                out = encode([rid, e.errno or errno.EIO, str(e)])
-            except (TypeError, ValueError) as e:
-                out = encode([rid, errno.EINVAL, f"bad arguments for {method}: {e}"])
-            except Exception as e:
-                log.exception("%s failed", method)
-                out = encode([rid, errno.EIO, f"{method} failed: {type(e).__name__}: {e}"])
-            async with lock:
-                await stream.send_all(len(out).to_bytes(4, "big") + out)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.writer)
+                while True:
+                    for body in frames:
+                        while conn.inflight >= MAX_INFLIGHT_PER_CONN:
+                            conn.drained = trio.Event()
+                            await conn.drained.wait()
+                        self._on_request(conn, nursery, parse_request(body))
+                    data = await stream.receive_some(1 << 20)
+                    if not data:
+                        break
+                    frames = dec.feed(data)
+                # The client is gone. Queued commits still complete in the batcher (a
+                # retry on a new connection finds their outcome); tasks stop here.
+                nursery.cancel_scope.cancel()
         finally:
-            slots.release()
+            conn.closed = True
 
     # -- dispatch ------------------------------------------------------------------
-    async def _call(self, method: str, args: list, kwargs: dict, key: bytes | None) -> Any:
+    def _on_request(self, conn: _Conn, nursery: trio.Nursery, req: tuple) -> None:
+        """Route one request without a task where possible: the hot ones never wait here."""
+        rid, method, args, kwargs, key = req
+        self.stats["requests"] += 1
+        if method != "ping":
+            self._last_request = trio.current_time()
+        conn.inflight += 1
         if method not in REMOTE_METHODS:
-            raise MetaError(errno.ENOSYS, f"unknown method {method!r}")
-        if key is None:
-            return await self._dispatch(method, args, kwargs)
-        slot = self._idem.get(key)
-        if slot is not None:
-            return await slot.get()
-        slot = self._idem[key] = _Slot()
-        while len(self._idem) > IDEM_KEEP:
-            self._idem.popitem(last=False)
+            conn.reply(rid, (None, MetaError(errno.ENOSYS, f"unknown method {method!r}")), method)
+            return
+        slot: _Slot | None = None
+        if key is not None:
+            prev = self._idem.get(key)
+            if prev is not None:  # a retry: answer with the first outcome
+                prev.add(lambda s: conn.reply(rid, s, method))
+                return
+            slot = self._idem[key] = _Slot()
+            while len(self._idem) > IDEM_KEEP:
+                self._idem.popitem(last=False)
+            slot.add(lambda s: conn.reply(rid, s, method))
+        else:
+            slot = _Slot()
+            slot.add(lambda s: conn.reply(rid, s, method))
+        try:
+            if method == "ping":
+                self.stats["inline"] += 1
+                slot.set(None)
+                return
+            if method == "commit_rank":
+                item = _commit_args(*args, **kwargs)
+                self._commits.append((item, slot))
+                self._commits_wake.set()
+                return
+            if method == "manifest":
+                job, step, rank = _manifest_args(*args, **kwargs)
+                entry = self._manifests.get((job, step))
+                if entry is not None and entry.done and entry.error is None:
+                    self.stats["inline"] += 1
+                    slot.set(self._manifest_answer(entry.result, rank))
+                    return
+        except (TypeError, ValueError, MetaError) as e:
+            slot.set(error=e)  # bad arguments: an outcome, like any engine refusal
+            return
+        nursery.start_soon(self._task, method, args, kwargs, key, slot)
+
+    async def _task(
+        self, method: str, args: list, kwargs: dict, key: bytes | None, slot: _Slot
+    ) -> None:
         try:
             result = await self._dispatch(method, args, kwargs)
-        except MetaError as e:
+        except (MetaError, TypeError, ValueError) as e:
             slot.set(error=e)
-            raise
+        except Exception as e:
+            log.exception("%s failed", method)
+            if key is not None:
+                self._idem.pop(key, None)  # not an outcome: let a retry run it again
+            slot.set(error=MetaError(errno.EIO, f"{method} failed: {type(e).__name__}: {e}"))
         except BaseException:
-            del self._idem[key]  # not an outcome: let a retry run it again
-            slot.set(error=MetaError(errno.EAGAIN, "first attempt failed; retry"))
+            if key is not None:
+                self._idem.pop(key, None)
+            slot.set(error=MetaError(errno.EAGAIN, "service shutting down; retry"))
             raise
-        slot.set(result)
-        return result
+        else:
+            slot.set(result)
 
     async def _dispatch(self, method: str, args: list, kwargs: dict) -> Any:
-        special = {
-            "get_config": self._get_config,
-            "commit_rank": self._commit_rank,
-            "manifest": self._manifest,
-            "wait_published": self._wait_published,
-        }.get(method)
-        if special is not None:
-            return await special(*args, **kwargs)
+        if method == "get_config":
+            return await self._get_config(*args, **kwargs)
+        if method == "manifest":
+            return await self._manifest(*args, **kwargs)
+        if method == "wait_published":
+            return await self._wait_published(*args, **kwargs)
         result = await self._run(getattr(self.engine, method), *args, **kwargs)
         if method in ("abort", "expire", "begin"):
             self._notify()
@@ -259,27 +384,29 @@ class MetaService:
         return absolute_config(await self._run(self.engine.get_config), self.base_dir)
 
     # -- group commit ------------------------------------------------------------
-    async def _commit_rank(
-        self, job: str, step: int, rank: int, files: list, *, host: str = ""
-    ) -> dict:
-        slot = _Slot()
-        self._commits_in.send_nowait(((job, step, rank, files, host), slot))
-        return await slot.get()
-
     async def _batcher(self) -> None:
-        async for first in self._commits_out:
-            batch = [first]
-            while len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self._commits_out.receive_nowait())
-                except trio.WouldBlock:
-                    break
+        """Everything queued goes to the engine in one transaction; idle time applies the
+        reference journal in slices, so a commit never waits behind a long apply."""
+        while True:
+            if not self._commits:
+                if self._journal_dirty:
+                    with trio.move_on_after(APPLY_IDLE):
+                        await self._commits_wake.wait()
+                    quiet = trio.current_time() - self._last_request >= APPLY_IDLE
+                    if not self._commits and quiet and not self._building:
+                        await self._apply_slice()
+                    continue
+                else:
+                    await self._commits_wake.wait()
+            self._commits_wake = trio.Event()
+            batch, self._commits = self._commits[:MAX_BATCH], self._commits[MAX_BATCH:]
             try:
                 results = await self._run(self.engine.commit_ranks, [item for item, _ in batch])
             except Exception as e:
                 log.exception("group commit of %d ranks failed", len(batch))
                 err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
                 results = [err] * len(batch)
+            self._journal_dirty = True
             self.stats["batches"] += 1
             self.stats["batched_commits"] += len(batch)
             changed = False
@@ -287,12 +414,26 @@ class MetaService:
                 if isinstance(res, MetaError):
                     slot.set(error=res)
                 else:
-                    if res["state"] != "open":
-                        self._terminal[(res["job"], res["step"])] = res
+                    key = (res["job"], res["step"])
+                    if res["state"] != "open" and key not in self._terminal:
+                        self._terminal[key] = res
                         changed = True
+                        if res["state"] == "published" and self._nursery is not None:
+                            self._nursery.start_soon(self._prebuild, *key)
                     slot.set(res)
             if changed:
                 self._notify()
+
+    async def _apply_slice(self) -> None:
+        try:
+            left = await self._run(self.engine.apply_pending, APPLY_SLICE)
+            self._journal_dirty = bool(left)
+            self.stats["journal_slices"] += 1
+        except AttributeError:  # an engine without a journal
+            self._journal_dirty = False
+        except Exception:
+            log.exception("applying pending chunk references failed")
+            await trio.sleep(1.0)
 
     async def _expirer(self) -> None:
         while True:
@@ -330,11 +471,19 @@ class MetaService:
             poll = min(poll * 2, 1.0)
 
     # -- manifests -------------------------------------------------------------------
+    async def _prebuild(self, job: str, step: int) -> None:
+        """Encode a step's manifest as soon as it publishes: the fan-out follows."""
+        try:
+            await self._manifest(job, step)
+        except Exception:  # noqa: BLE001 - a request will build it (and report) later
+            log.debug("prebuilding the manifest of %s/%s failed", job, step, exc_info=True)
+
     async def _manifest(self, job: str, step: int, rank: int | None = None) -> dict:
         key = (job, step)
         entry = self._manifests.get(key)
         if entry is None:
             entry = self._manifests[key] = _Slot()
+            self._building += 1
             try:
                 head, by_rank = await self._run(self.engine.manifest_parts, job, step)
                 enc = msgspec.msgpack.Encoder()
@@ -345,11 +494,17 @@ class MetaService:
                 del self._manifests[key]
                 entry.set(error=e if isinstance(e, MetaError) else MetaError(errno.EIO, str(e)))
                 raise
+            finally:
+                self._building -= 1
             while len(self._manifests) > MANIFESTS_KEEP:
                 self._manifests.popitem(last=False)
-        head, full, per = await entry.get()
+        return self._manifest_answer(await entry.get(), rank)
+
+    @staticmethod
+    def _manifest_answer(parts: tuple, rank: Any) -> dict:
+        head, full, per = parts
         if rank is None:
             return {**head, "files": full}
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise MetaError(errno.EINVAL, "rank must be an integer")
-        return {**head, "files": per.get(rank, msgspec.Raw(b"\x90"))}
+        return {**head, "files": per.get(rank, _EMPTY)}
