@@ -36,6 +36,7 @@ STATE_NAMES = {OPEN: "open", PUBLISHED: "published", ABORTED: "aborted"}
 PATH_MAX = 4096
 MAX_FILES_PER_RANK = 100_000
 MAX_WORLD = 1 << 20
+JOURNAL_MAX = 20_000  # pending rank commits before commit_ranks applies them itself
 EXT = struct.Struct("<QQQ16s")  # offset, length, chunk_off, chunk id (also inodes.extents)
 CHK = struct.Struct("<16sQQB")  # chunk id, raw_len, stored_len, state
 INO = struct.Struct("<Q")  # ckpt_ranks.inos: the rank's file inodes, in path order
@@ -354,6 +355,9 @@ class CheckpointMixin:
                         res[t[0]] = e
                     self._x(c, "RELEASE SAVEPOINT one")
             self._x(c, "RELEASE SAVEPOINT batch")
+            # Embedded use has no background applier: past a bound, apply here.
+            if self._journal_span(c) > JOURNAL_MAX:
+                self._apply_journal(c, None)
         for i, r in res.items():
             out[i] = r
         return out

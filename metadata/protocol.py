@@ -41,7 +41,7 @@ READ_METHODS = frozenset(
     {
         "ping", "get_config", "lookup", "getattr", "readdir", "readlink", "get_xattr", "list_xattr",
         "get_extents", "chunk_info", "stats", "step_state", "wait_published", "latest",
-        "latest_durable", "manifest", "list_checkpoints", "checkpoint_info",
+        "latest_durable", "manifest", "list_checkpoints", "checkpoint_info", "pending_refs",
     }
 )  # fmt: skip
 MUTATING_METHODS = frozenset(

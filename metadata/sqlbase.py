@@ -220,6 +220,16 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
             self._apply_journal(c, limit)
             return int(self._one(c, "SELECT COUNT(*) FROM ref_journal")[0])
 
+    def pending_refs(self) -> int:
+        """Journal entries (rank commits) whose chunk references are not applied yet."""
+        with self._read() as c:
+            return int(self._one(c, "SELECT COUNT(*) FROM ref_journal")[0])
+
+    def _journal_span(self, c: Any) -> int:
+        """About how many journal entries wait (ids are dense): two index probes, no scan."""
+        lo, hi = self._one(c, "SELECT MIN(id), MAX(id) FROM ref_journal")
+        return 0 if lo is None else int(hi) - int(lo) + 1
+
     def _alloc_inos(self, c: Any, n: int) -> list[int]:
         """Reserve n inode numbers for a bulk insert (the write lock is held)."""
         top = self._one(c, "SELECT COALESCE(MAX(ino), 0) FROM inodes")[0]

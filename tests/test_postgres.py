@@ -101,3 +101,100 @@ def test_two_services_on_one_postgres_share_namespace_and_checkpoints(
     assert sorted(n for n, _ in v1.listdir("j/step-000005")) == [b"r0", b"r1"]
     v1.close()
     v2.close()
+
+
+def _files(tag: str, cids: list[bytes], new: list[bytes], state: int = 1) -> list[dict]:
+    ext = [Extent(i * 4, 4, cid) for i, cid in enumerate(cids)]
+    return [{"path": f"{tag}/f", "size": 4 * len(cids), "extents": ext,
+             "new_chunks": [NewChunk(cid, 4, 4, state) for cid in new]}]  # fmt: skip
+
+
+def test_pending_refs_never_let_gc_or_fsck_lose_a_chunk(vol):
+    """Checkpoint commits leave their chunk references in a journal; every reader of chunk
+    rows (gc, fsck, chunk_info, mark_durable, truncate) sees them as if applied."""
+    m = vol.meta
+    old = _cid(b"old")
+    f = m.create(ROOT_INO, b"tmp", stat.S_IFREG | 0o644, 0, 0)
+    m.commit_file(f.ino, [Extent(0, 4, old)], 4, [NewChunk(old, 4, 4)])
+    m.setattr(f.ino, size=0)  # `old` is now unreferenced, a gc candidate
+    assert m.chunk_info([old])[old][2] == 0
+    a, b = _cid(b"new-a"), _cid(b"new-b")
+    m.begin("j", 1, 2)
+    m.commit_rank("j", 1, 0, _files("r0", [a, old, a], [a]))
+    m.commit_rank("j", 1, 1, _files("r1", [b], [b], state=0))
+    assert m.pending_refs() == 2  # nothing applied on the commit path
+    assert m.missing_chunks([a]) == {a}  # journal-only: "missing" costs a duplicate upload
+    # gc applies pending references first, in its own transaction: nothing used goes
+    assert m.gc_chunk_rows(0) == []
+    assert m.pending_refs() == 0
+    info = m.chunk_info([a, b, old])
+    assert (info[a][2], info[b][2], info[old][2]) == (2, 1, 1)
+    rows = m.chunk_rows()
+    assert all(rows[cid].refcount == n for cid, n in m.true_refcounts().items())
+    # a staged chunk only in the journal can be marked durable (its row is made first)
+    m.begin("j", 2, 1)
+    c = _cid(b"staged")
+    m.commit_rank("j", 2, 0, _files("s", [c], [c], state=0))
+    assert m.pending_refs() == 1
+    m.mark_durable([c])
+    assert m.chunk_info([c])[c][3] == 1 and m.latest_durable("j") == 2
+    # truncating a published file whose references are still journalled drops them
+    m.begin("j", 3, 1)
+    d = _cid(b"trunc")
+    m.commit_rank("j", 3, 0, _files("t", [d], [d]))
+    assert m.pending_refs() == 1
+    ino = vol.stat("j/step-000003/t/f").ino
+    m.setattr(ino, size=0)
+    assert m.chunk_info([d])[d][2] == 0
+    assert m.get_extents(ino) == []
+
+
+def test_abort_drops_pending_refs_and_takes_back_applied_ones(vol):
+    m = vol.meta
+    m.begin("j", 1, 3)
+    e, f = _cid(b"abort-e"), _cid(b"abort-f")
+    m.commit_rank("j", 1, 0, _files("r0", [e], [e]))
+    assert m.chunk_info([e])[e][2] == 1  # rank 0's references applied (chunk_info settles)
+    m.commit_rank("j", 1, 1, _files("r1", [f], [f]))  # ... rank 1's still journalled
+    assert m.pending_refs() == 1
+    m.abort("j", 1)
+    assert m.pending_refs() == 0
+    assert m.chunk_info([e])[e][2] == 0  # taken back
+    assert f not in m.chunk_info([f])  # never registered: gc removes its object later
+    assert m.true_refcounts().get(e, 0) == 0
+
+
+def test_group_commit_isolates_conflicting_ranks(vol):
+    """One bulk transaction for the batch; a conflict redoes it rank by rank."""
+    m = vol.meta
+    m.begin("g", 1, 4)
+    ids = [_cid(b"g%d" % r) for r in range(4)]
+
+    def one(path: str, cid: bytes) -> list[dict]:
+        return [{"path": path, "size": 4, "extents": [Extent(0, 4, cid)],
+                 "new_chunks": [NewChunk(cid, 4, 4)]}]  # fmt: skip
+
+    out = m.commit_ranks(
+        [
+            ("g", 1, 0, one("a/x", ids[0]), "h"),
+            ("g", 1, 1, one("a/x", ids[1]), "h"),  # same path as rank 0
+            ("g", 1, 2, one("a", ids[2]), "h"),  # a file where rank 0 has a directory
+            ("g", 1, 3, one("b/y", ids[3]), "h"),
+            ("g", 1, 3, one("b/y", ids[3]), "h"),  # the same rank twice: a duplicate
+            ("g", 1, 9, one("c", ids[3]), "h"),  # out of range
+        ]
+    )
+    assert out[0]["state"] == "open" and out[3]["duplicate"] is False
+    assert out[4]["duplicate"] is True
+    assert isinstance(out[1], MetaError) and out[1].errno == errno.EEXIST
+    assert isinstance(out[2], MetaError) and out[2].errno in (errno.EEXIST, errno.ENOTDIR)
+    assert isinstance(out[5], MetaError) and out[5].errno == errno.EINVAL
+    assert m.step_state("g", 1)["committed"] == 2
+    m.apply_pending()
+    info = m.chunk_info(ids)
+    assert set(info) == {ids[0], ids[3]}  # the refused ranks registered nothing
+    m.commit_rank("g", 1, 1, one("a/z", ids[1]))
+    res = m.commit_rank("g", 1, 2, one("d", ids[2]))
+    assert res["state"] == "published"
+    man = m.manifest("g", 1)
+    assert sorted(f["path"] for f in man["files"]) == ["a/x", "a/z", "b/y", "d"]
