@@ -292,6 +292,34 @@ def test_many_writers_at_once(mounted):
         assert _read(mounted.path(f"w{i}")) == d
 
 
+def test_concurrent_identical_writers_store_each_chunk_once(mounted):
+    """Grouped existence checks: blocks sealed together are asked about together, and
+    writers racing on the same content still end up sharing one copy of each chunk."""
+    from fusefs.volume import Volume
+
+    payload = os.urandom(12 * MiB)  # three 4 MiB chunks
+    errors: list[BaseException] = []
+
+    def w(i: int) -> None:
+        try:
+            _write(mounted.path(f"same{i}"), payload)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=w, args=(i,)) for i in range(6)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors
+    _write(mounted.path("late"), payload)  # after the commits: every chunk is known
+    for name in [f"same{i}" for i in range(6)] + ["late"]:
+        assert _read(mounted.path(name)) == payload
+        assert float(os.getxattr(mounted.path(name), "user.ckptfs.dedup")) == 1.0
+    with Volume.open(mounted.volume) as v:
+        assert v.stats()["stored_bytes"] < 13 * MiB  # one copy (random data: stored raw)
+
+
 # -- consistency ---------------------------------------------------------------------------
 def test_rename_over_existing_is_atomic_for_a_reader(mounted):
     target = mounted.path("model.pt")
