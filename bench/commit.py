@@ -64,12 +64,10 @@ def _pipelined(client, calls: list[tuple]) -> tuple[float, float, list[float]]:
 
         return cb
 
-    futs = []
-    for i, (method, args, kw) in enumerate(calls):
-        sent = time.time()
-        fut = client.submit(method, *args, **kw)
+    sent = time.time()
+    futs = client.submit_many(calls)  # every simulated rank's request at the same moment
+    for i, fut in enumerate(futs):
         fut.add_done_callback(finish(i, sent))
-        futs.append(fut)
     for _ in calls:
         done.acquire()
     t1 = time.time()
