@@ -28,6 +28,17 @@ log = logging.getLogger("ckptfs.cache")
 STRIPES = 4096
 
 
+def decode_view(blob: bytes) -> bytes | memoryview:
+    """codec.decode for a caller that checks the chunk id of what it gets (every read path
+    here does): a raw (uncompressed) object comes back as a view of its payload, not a copy,
+    and its payload checksum is skipped, since for raw objects the id check hashes the very
+    same bytes (a flipped bit fails it just the same)."""
+    version, name, raw_len = codec.header_info(blob)
+    if name == "none" and version == codec.VERSION and len(blob) - codec.HEADER == raw_len:
+        return memoryview(blob)[codec.HEADER :]
+    return codec.decode(blob)
+
+
 class ChunkCache:
     def __init__(self, root: str, seed: int) -> None:
         self.root = root
@@ -45,15 +56,18 @@ class ChunkCache:
     def path(self, cid: bytes) -> str:
         return os.path.join(self.dir, cid.hex())
 
-    def read_verified(self, path: str, cid: bytes) -> bytes | None:
-        """Raw bytes of the object at `path` if it is there and good; a bad file is removed."""
+    def read_verified(self, path: str, cid: bytes, view: bool = False) -> bytes | memoryview | None:
+        """Raw bytes of the object at `path` if it is there and good; a bad file is removed.
+
+        With view=True an uncompressed object comes back as a view past its header (no copy
+        of the payload: the DCP reader hands it straight to torch.load)."""
         try:
             with open(path, "rb") as f:
                 blob = f.read()
         except FileNotFoundError:
             return None
         try:
-            raw = codec.decode(blob)
+            raw = decode_view(blob) if view else codec.decode(blob)
             if chunk_id(raw, self.seed) != cid:
                 raise codec.ChunkFormatError("content does not match its chunk id")
         except codec.ChunkFormatError as e:
@@ -65,9 +79,9 @@ class ChunkCache:
             return None
         return raw
 
-    def lookup(self, cid: bytes) -> bytes | None:
+    def lookup(self, cid: bytes, view: bool = False) -> bytes | memoryview | None:
         p = self.path(cid)
-        raw = self.read_verified(p, cid)
+        raw = self.read_verified(p, cid, view)
         if raw is not None:
             try:
                 os.utime(p)  # LRU touch

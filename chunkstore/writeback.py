@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import xxhash
 
 from chunkstore import codec
-from chunkstore.cache import ChunkCache
+from chunkstore.cache import ChunkCache, decode_view
 from chunkstore.ids import chunk_id
 from chunkstore.node import NodeError
 from chunkstore.store import ChunkStore, ChunkStoreError
@@ -293,7 +293,7 @@ class WriteBehindTier:
         stall_timeout: float = 120.0,
         register_timeout: float = 3600.0,
         mark_batch: int = 256,
-        idle_s: float = 0.3,
+        idle_s: float = 0.5,
         high_water: float = 0.5,
         max_defer_s: float = 30.0,
         transcode: Callable[[bytes, int | None], bytes] | None = None,
@@ -469,6 +469,7 @@ class WriteBehindTier:
                 batch = list(self._unsynced.items())
             if not batch:
                 return 0
+            self._foreground()  # the fsyncs are foreground work too: uploaders keep off
             from concurrent.futures import ThreadPoolExecutor
 
             def fsync_one(path: str) -> None:
@@ -495,6 +496,7 @@ class WriteBehindTier:
                     self._seq += 1
                     heapq.heappush(self._queue, (t_ns, self._seq, cid))
                 self._cond.notify_all()
+            self._foreground()
             return len(batch)
 
     def discard_unsynced(self) -> None:
@@ -651,25 +653,27 @@ class WriteBehindTier:
                 self._used -= n - added
 
     # -- read path ----------------------------------------------------------------------------
-    def get(self, cid: bytes) -> bytes:
-        """Verified raw bytes: staged copy, else the host cache, else the nodes (once per host)."""
-        raw = self._read_staged(cid)
+    def get(self, cid: bytes, *, view: bool = False) -> bytes | memoryview:
+        """Verified raw bytes: staged copy, else the host cache, else the nodes (once per host).
+
+        view=True may return a memoryview (no copy of an uncompressed staged/cached object)."""
+        raw = self._read_staged(cid, view)
         if raw is not None:
             return raw
-        raw = self.cache.lookup(cid)
+        raw = self.cache.lookup(cid, view)
         if raw is not None:
             self.cache.hits += 1
             return raw
         return self.cache.single_flight(cid, lambda: self._fetch(cid))
 
-    def _read_staged(self, cid: bytes) -> bytes | None:
+    def _read_staged(self, cid: bytes, view: bool = False) -> bytes | memoryview | None:
         try:
             with open(os.path.join(self.staged_dir, cid.hex()), "rb") as f:
                 blob = f.read()
         except FileNotFoundError:
             return None
         try:
-            raw = codec.decode(blob)
+            raw = decode_view(blob) if view else codec.decode(blob)
             if chunk_id(raw, self.store.seed) != cid:
                 raise codec.ChunkFormatError("content does not match its chunk id")
         except codec.ChunkFormatError as e:

@@ -100,7 +100,7 @@ def _volume(spec: str, tier: TierSpec = None) -> Volume:
     with _VLOCK:
         vol = _VOLUMES.get(key)
         if vol is None:
-            vol = Volume.open(spec)
+            vol = Volume.open(spec, workers=_pool_size())
             if tier is not None:
                 try:
                     vol.attach_tier(
@@ -114,6 +114,18 @@ def _volume(spec: str, tier: TierSpec = None) -> Volume:
                     raise
             _VOLUMES[key] = vol
         return vol
+
+
+def _pool_size() -> int:
+    """Chunk threads per rank: the host's cores shared by its ranks (torchrun's
+    LOCAL_WORLD_SIZE), at least 2 so hashing overlaps I/O, at most 8. Eight ranks with
+    eight threads each on a 2-core host mostly add context switches."""
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(2, min(8, 2 * (cores or 1) // local))
 
 
 def _tier_spec(staging: str | os.PathLike | bool | None, durability: str, size: int | None):
@@ -641,12 +653,12 @@ def _store(
 ) -> NewChunk:
     """Encode and store one new chunk. With a local-durability tier: raw, unsynced (the
     tier compresses at upload time and the rank syncs once before commit)."""
-    raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     tier = vol.tier
     if tier is not None and tier.durability == "local":
-        blob = codec.encode(raw, "none")
+        blob = _raw_object(pieces, n)
         state = tier.put(cid, blob, sync=False, width=width)
         return NewChunk(cid, n, len(blob), state)
+    raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     blob = codec.encode(raw, codec_name or vol.settings.compression, elem_width=width)
     if tier is not None:
         state = tier.put(cid, blob)
@@ -654,6 +666,14 @@ def _store(
         vol.store.put_encoded(cid, blob)
         state = DURABLE
     return NewChunk(cid, n, len(blob), state)
+
+
+def _raw_object(pieces: list[bytes | memoryview], n: int) -> bytes:
+    """codec.encode(b"".join(pieces), "none") with one copy of the payload, not two."""
+    pack = getattr(codec, "_pack", None)
+    if pack is None:
+        return codec.encode(b"".join(pieces), "none")
+    return pack(codec.RAW, 0, n, pieces)
 
 
 def _transcode_for(compression: str) -> Any:
@@ -868,9 +888,12 @@ class CkptfsReader(StorageReader):
 
     def _load_item(self, req: ReadItem, data: bytes | memoryview, planner: LoadPlanner) -> None:
         md: _StorageInfo = self.storage_data[req.storage_index]
-        stream = self.transforms.transform_load_stream(
-            req, md.transform_descriptors or (), io.BytesIO(data)
-        )
+        if md.transform_descriptors:
+            stream = self.transforms.transform_load_stream(
+                req, md.transform_descriptors, io.BytesIO(data)
+            )
+        else:
+            stream = _ViewReader(data)  # no transform: read the chunk bytes in place
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(stream.read(-1)))
             return
@@ -886,6 +909,36 @@ class CkptfsReader(StorageReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only file over bytes or a memoryview, without copying them first
+    (io.BytesIO copies a memoryview; torch.load reads records with readinto)."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.mv = memoryview(data).cast("B") if isinstance(data, memoryview) else memoryview(data)
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: len(self.mv)}[whence]
+        self.pos = max(0, base + off)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        dst = memoryview(b).cast("B")
+        n = max(0, min(len(dst), len(self.mv) - self.pos))
+        dst[:n] = self.mv[self.pos : self.pos + n]
+        self.pos += n
+        return n
 
 
 def _assemble(
@@ -913,6 +966,8 @@ def _assemble(
             i += 1
         pieces.append(mine)
     order = [e.chunk_id for mine in pieces for e, _, _ in mine]
+    tier = vol.tier
+    fetch = (lambda cid: tier.get(cid, view=True)) if tier is not None else vol.fetch_chunk
     uses = Counter(order)
     sizes = {e.chunk_id: e.chunk_off + e.length for mine in pieces for e, _, _ in mine}
     futs: dict[bytes, CFuture] = {}
@@ -925,7 +980,7 @@ def _assemble(
             cid = order[nxt]
             nxt += 1
             if cid not in futs:
-                futs[cid] = vol.pool.submit(vol.fetch_chunk, cid)
+                futs[cid] = vol.pool.submit(fetch, cid)
                 ahead += sizes[cid]
 
     try:
