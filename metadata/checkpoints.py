@@ -138,14 +138,17 @@ def _chk_ids(data: bytes) -> list[bytes]:
     return [data[i : i + 16] for i in range(0, len(data), CHK.size)]
 
 
-def _norm_files(files: Any) -> list[tuple[bytes, list[bytes], int, bytes, bytes]]:
-    """Validate a rank's files: (path, parts, size, packed extents, packed new chunks)."""
+def _norm_files(files: Any) -> tuple[list[tuple[bytes, list[bytes], int, bytes, bytes]], int]:
+    """Validate a rank's files: [(path, parts, size, packed extents, packed new chunks)],
+    sorted by path, and the raw bytes of the rank's distinct new chunks."""
     if not isinstance(files, list):
         raise MetaError(errno.EINVAL, "files must be a list")
     if len(files) > MAX_FILES_PER_RANK:
         raise MetaError(errno.E2BIG, f"more than {MAX_FILES_PER_RANK} files in one rank commit")
     out = []
     seen: set[bytes] = set()
+    new_ids: set[bytes] = set()
+    new_bytes = 0
     if not all(isinstance(f, dict) for f in files):
         raise MetaError(errno.EINVAL, "each file is a dict with path, size, extents")
     if any(
@@ -179,12 +182,15 @@ def _norm_files(files: Any) -> list[tuple[bytes, list[bytes], int, bytes, bytes]
             end = off + n
         if end > size:
             raise MetaError(errno.EINVAL, f"{path!r}: extents end at {end}, past size {size}")
-        for _, raw_len, stored_len, _st in chk:
-            if raw_len <= 0 or stored_len <= 0 or _st > DURABLE:
+        for cid, raw_len, stored_len, st in chk:
+            if raw_len <= 0 or stored_len <= 0 or st > DURABLE:
                 raise MetaError(errno.EINVAL, f"{path!r}: bad new chunk record")
+            if cid not in new_ids:
+                new_ids.add(cid)
+                new_bytes += raw_len
         out.append((path, parts, size, blob, chk_blob))
     out.sort(key=lambda t: t[0])
-    return out
+    return out, new_bytes
 
 
 def _digest(files: list) -> bytes:
@@ -331,8 +337,8 @@ class CheckpointMixin:
                 _check_int(rank, "rank")
                 if not isinstance(host, str) or len(host) > 255:
                     raise MetaError(errno.EINVAL, "host must be a string of at most 255 chars")
-                norm = _norm_files(files)
-                todo.append((i, job, step, rank, norm, host, _digest(norm)))
+                norm, new_bytes = _norm_files(files)
+                todo.append((i, job, step, rank, norm, host, _digest(norm), new_bytes))
             except MetaError as e:
                 out[i] = e
             except (TypeError, ValueError) as e:
@@ -390,7 +396,7 @@ class CheckpointMixin:
             state, world, _root = st
             prev = self._rank_digests(c, key, [t[3] for t in group if t[3] < world])
             for t in group:
-                i, job, step, rank, _files, _host, digest = t
+                i, job, step, rank, _files, _host, digest, _new = t
                 if rank >= world:
                     res[i] = MetaError(
                         errno.EINVAL, f"rank {rank} out of range for world_size {world}"
@@ -565,14 +571,7 @@ class CheckpointMixin:
             )
         rank_rows = []
         journal = []
-        for _i, job, step, rank, files, host, digest in fresh:
-            new_bytes = 0
-            seen: set[bytes] = set()
-            for f in files:
-                for cid, raw_len, _s, _st in CHK.iter_unpack(f[4]):
-                    if cid not in seen:
-                        seen.add(cid)
-                        new_bytes += raw_len
+        for _i, job, step, rank, files, host, digest, new_bytes in fresh:
             rank_rows.append(
                 (
                     job, step, rank, host, now, sum(f[2] for f in files), new_bytes, len(files),
@@ -731,14 +730,18 @@ class CheckpointMixin:
 
     def _blobs(self, c: Any, inos: list[int]) -> dict[int, bytes]:
         """ino -> packed extents, for the inodes that still exist."""
-        out: dict[int, bytes] = {}
+        return {ino: blob for ino, (_, blob) in self._file_rows(c, inos).items()}
+
+    def _file_rows(self, c: Any, inos: list[int]) -> dict[int, tuple[int, bytes]]:
+        """ino -> (size, packed extents) for the inodes that still exist."""
+        out: dict[int, tuple[int, bytes]] = {}
         for i in range(0, len(inos), 500):
             part = inos[i : i + 500]
             marks = ",".join("?" * len(part))
-            for ino, blob in self._x(
-                c, f"SELECT ino, extents FROM inodes WHERE ino IN ({marks})", part
+            for ino, size, blob in self._x(
+                c, f"SELECT ino, size, extents FROM inodes WHERE ino IN ({marks})", part
             ).fetchall():
-                out[int(ino)] = bytes(blob)
+                out[int(ino)] = (int(size), bytes(blob))
         return out
 
     def expire(self, now_ns: int | None = None) -> list[tuple[str, int]]:
@@ -853,16 +856,8 @@ class CheckpointMixin:
                 raise MetaError(
                     errno.EAGAIN, f"{job} step {step} is {head['state']}, not published"
                 )
-            by_ino: dict[int, tuple[int, bytes]] = {}
             files = self._step_inos(c, job, step)
-            inos = [ino for fs in files.values() for _, ino in fs]
-            for i in range(0, len(inos), 500):
-                part = inos[i : i + 500]
-                marks = ",".join("?" * len(part))
-                for ino, size, blob in self._x(
-                    c, f"SELECT ino, size, extents FROM inodes WHERE ino IN ({marks})", part
-                ).fetchall():
-                    by_ino[int(ino)] = (int(size), bytes(blob))
+            by_ino = self._file_rows(c, [ino for fs in files.values() for _, ino in fs])
         by_rank: dict[int, list[dict]] = {}
         for rank, fs in files.items():
             out = by_rank[rank] = []

@@ -123,15 +123,19 @@ class FrameDecoder:
 
     def feed(self, data: bytes) -> list[bytes]:
         self._buf += data
+        buf = self._buf
         out: list[bytes] = []
-        while len(self._buf) >= 4:
-            (n,) = HEADER.unpack_from(self._buf)
+        pos, end = 0, len(buf)
+        while end - pos >= 4:
+            (n,) = HEADER.unpack_from(buf, pos)
             if n > self.max_frame:
                 raise ProtocolError(f"frame of {n} bytes exceeds the {self.max_frame} byte limit")
-            if len(self._buf) < 4 + n:
+            if end - pos < 4 + n:
                 break
-            out.append(bytes(self._buf[4 : 4 + n]))
-            del self._buf[: 4 + n]
+            out.append(bytes(buf[pos + 4 : pos + 4 + n]))
+            pos += 4 + n
+        if pos:
+            del buf[:pos]  # once per feed: many frames per read must not cost a move each
         return out
 
     @property
