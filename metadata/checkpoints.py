@@ -27,6 +27,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from metadata.engine import DURABLE, NAME_MAX, ROOT_INO, Extent, MetaError, NewChunk
@@ -138,17 +139,21 @@ def _chk_ids(data: bytes) -> list[bytes]:
     return [data[i : i + 16] for i in range(0, len(data), CHK.size)]
 
 
-def _norm_files(files: Any) -> tuple[list[tuple[bytes, list[bytes], int, bytes, bytes]], int]:
+def _norm_files(
+    files: Any, check: bool = True
+) -> tuple[list[tuple[bytes, list[bytes], int, bytes, bytes]], int]:
     """Validate a rank's files: [(path, parts, size, packed extents, packed new chunks)],
-    sorted by path, and the raw bytes of the rank's distinct new chunks."""
+    sorted by path, and the raw bytes of the rank's declared new chunks.
+
+    check=False leaves the per-extent and per-chunk checks (and the byte count,
+    -1) to `_batch_check`, which does them for a whole group commit at once."""
     if not isinstance(files, list):
         raise MetaError(errno.EINVAL, "files must be a list")
     if len(files) > MAX_FILES_PER_RANK:
         raise MetaError(errno.E2BIG, f"more than {MAX_FILES_PER_RANK} files in one rank commit")
     out = []
     seen: set[bytes] = set()
-    new_ids: set[bytes] = set()
-    new_bytes = 0
+    new_bytes = 0 if check else -1
     if not all(isinstance(f, dict) for f in files):
         raise MetaError(errno.EINVAL, "each file is a dict with path, size, extents")
     if any(
@@ -175,6 +180,9 @@ def _norm_files(files: Any) -> tuple[list[tuple[bytes, list[bytes], int, bytes, 
             raise MetaError(
                 errno.EINVAL, f"{path!r}: extents/new_chunks are not packed lists"
             ) from None
+        if not check:
+            out.append((path, parts, size, blob, chk_blob))
+            continue
         end = 0
         for off, n, _coff, _ in ext:
             if n <= 0 or off < end:
@@ -182,15 +190,60 @@ def _norm_files(files: Any) -> tuple[list[tuple[bytes, list[bytes], int, bytes, 
             end = off + n
         if end > size:
             raise MetaError(errno.EINVAL, f"{path!r}: extents end at {end}, past size {size}")
-        for cid, raw_len, stored_len, st in chk:
+        for _cid, raw_len, stored_len, st in chk:
             if raw_len <= 0 or stored_len <= 0 or st > DURABLE:
                 raise MetaError(errno.EINVAL, f"{path!r}: bad new chunk record")
-            if cid not in new_ids:
-                new_ids.add(cid)
-                new_bytes += raw_len
+            new_bytes += raw_len
         out.append((path, parts, size, blob, chk_blob))
     out.sort(key=lambda t: t[0])
     return out, new_bytes
+
+
+_EXT_DT = np.dtype([("off", "<u8"), ("len", "<u8"), ("coff", "<u8"), ("id", "V16")])
+_CHK_DT = np.dtype([("id", "V16"), ("raw", "<u8"), ("stored", "<u8"), ("st", "u1")])
+BATCH_CHECK_MIN = 16  # ranks in a group commit before the vectorized checks pay off
+
+
+def _batch_check(todo: list[tuple]) -> tuple[set[int], list[int]]:
+    """`_norm_files`'s extent and chunk checks for a whole batch, vectorized.
+
+    Returns the positions in `todo` that fail (the caller re-checks those one by
+    one for the exact error) and every item's new-chunk byte count.
+    """
+    files = [(k, f) for k, t in enumerate(todo) for f in t[4]]
+    new_bytes = [0] * len(todo)
+    if not files:
+        return set(), new_bytes
+    nf = len(files)
+    ecount = np.fromiter((len(f[3]) // EXT.size for _, f in files), np.int64, nf)
+    ccount = np.fromiter((len(f[4]) // CHK.size for _, f in files), np.int64, nf)
+    sizes = np.fromiter((f[2] for _, f in files), np.uint64, nf)
+    bad = np.zeros(nf, bool)
+    ext = np.frombuffer(b"".join(f[3] for _, f in files), _EXT_DT)
+    if len(ext):
+        fidx = np.repeat(np.arange(nf), ecount)
+        off, ln = ext["off"], ext["len"]
+        wrong = (ln == 0) | (off >= 2**62) | (ln >= 2**62)
+        end = off + np.minimum(ln, 2**62)  # no wrap-around: both below 2**62
+        first = np.ones(len(ext), bool)
+        first[1:] = fidx[1:] != fidx[:-1]
+        prev_end = np.zeros_like(end)
+        prev_end[1:] = end[:-1]
+        wrong |= ~first & (off < prev_end)
+        bad |= np.bincount(fidx, weights=wrong, minlength=nf) > 0
+        last = np.ones(len(ext), bool)
+        last[:-1] = fidx[:-1] != fidx[1:]
+        lf = fidx[last]
+        bad[lf[end[last] > sizes[lf]]] = True
+    chk = np.frombuffer(b"".join(f[4] for _, f in files), _CHK_DT)
+    if len(chk):
+        cidx = np.repeat(np.arange(nf), ccount)
+        wrong = (chk["raw"] == 0) | (chk["stored"] == 0) | (chk["st"] > DURABLE)
+        bad |= np.bincount(cidx, weights=wrong, minlength=nf) > 0
+        per_file = np.bincount(cidx, weights=chk["raw"].astype(np.float64), minlength=nf)
+        for (k, _), b in zip(files, per_file.tolist(), strict=True):
+            new_bytes[k] += int(b)
+    return {files[i][0] for i in np.flatnonzero(bad).tolist()}, new_bytes
 
 
 def _digest(files: list) -> bytes:
@@ -329,6 +382,7 @@ class CheckpointMixin:
         """
         out: list[Any] = [None] * len(items)
         todo = []
+        vector = len(items) >= BATCH_CHECK_MIN
         for i, item in enumerate(items):
             try:
                 job, step, rank, files, host = item
@@ -337,12 +391,24 @@ class CheckpointMixin:
                 _check_int(rank, "rank")
                 if not isinstance(host, str) or len(host) > 255:
                     raise MetaError(errno.EINVAL, "host must be a string of at most 255 chars")
-                norm, new_bytes = _norm_files(files)
+                norm, new_bytes = _norm_files(files, check=not vector)
                 todo.append((i, job, step, rank, norm, host, _digest(norm), new_bytes))
             except MetaError as e:
                 out[i] = e
             except (TypeError, ValueError) as e:
                 out[i] = MetaError(errno.EINVAL, f"bad commit_rank arguments: {e}")
+        if vector and todo:
+            bad, counts = _batch_check(todo)
+            checked = []
+            for k, t in enumerate(todo):
+                if k in bad:
+                    try:  # the exact error, from the one-by-one checks
+                        _norm_files(items[t[0]][3])
+                    except MetaError as e:
+                        out[t[0]] = e
+                        continue
+                checked.append((*t[:7], counts[k]))
+            todo = checked
         if not todo:
             return out
         with self._ckpt_tx() as c:

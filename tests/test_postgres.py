@@ -198,3 +198,46 @@ def test_group_commit_isolates_conflicting_ranks(vol):
     assert res["state"] == "published"
     man = m.manifest("g", 1)
     assert sorted(f["path"] for f in man["files"]) == ["a/x", "a/z", "b/y", "d"]
+
+
+def test_vectorized_batch_checks_refuse_exactly_the_bad_ranks(vol):
+    """A big group commit checks extents and chunk records for all ranks at once; each bad
+    rank gets the same error as alone, and the good ones commit."""
+    from metadata.checkpoints import BATCH_CHECK_MIN, CHK, EXT
+
+    m = vol.meta
+    n = BATCH_CHECK_MIN + 8
+    m.begin("v", 1, n)
+
+    def rank(r: int, how: str = "") -> list[dict]:
+        cids = [_cid(b"v%d-%d" % (r, i)) for i in range(3)]
+        ext = [(0, 10, 0, cids[0]), (10, 10, 0, cids[1]), (20, 10, 0, cids[2])]
+        chk = [(cid, 10, 5, 1) for cid in cids]
+        size = 30
+        if how == "overlap":
+            ext[1] = (5, 10, 0, cids[1])
+        elif how == "past_end":
+            size = 25
+        elif how == "zero_len":
+            ext[2] = (20, 0, 0, cids[2])
+        elif how == "bad_state":
+            chk[0] = (cids[0], 10, 5, 7)
+        elif how == "zero_chunk":
+            chk[1] = (cids[1], 0, 5, 1)
+        return [{"path": f"r{r}", "size": size,
+                 "extents": b"".join(EXT.pack(*e) for e in ext),
+                 "new_chunks": b"".join(CHK.pack(*c) for c in chk)}]  # fmt: skip
+
+    bad = {3: "overlap", 5: "past_end", 8: "zero_len", 13: "bad_state", 17: "zero_chunk"}
+    out = m.commit_ranks([("v", 1, r, rank(r, bad.get(r, "")), "h") for r in range(n)])
+    for r, res in enumerate(out):
+        if r in bad:
+            assert isinstance(res, MetaError) and res.errno == errno.EINVAL, (r, res)
+            with pytest.raises(MetaError) as alone:
+                m.commit_rank("v", 1, r, rank(r, bad[r]))
+            assert str(alone.value) == str(res)
+        else:
+            assert isinstance(res, dict) and res["state"] == "open", (r, res)
+    info = m.checkpoint_info("v", 1)
+    assert info["committed"] == n - len(bad)
+    assert info["new_bytes"] == 30 * (n - len(bad))
