@@ -204,16 +204,19 @@ _CHK_DT = np.dtype([("id", "V16"), ("raw", "<u8"), ("stored", "<u8"), ("st", "u1
 BATCH_CHECK_MIN = 16  # ranks in a group commit before the vectorized checks pay off
 
 
-def _batch_check(todo: list[tuple]) -> tuple[set[int], list[int]]:
+def _batch_check(todo: list[tuple]) -> tuple[set[int], list[int], list[bool]]:
     """`_norm_files`'s extent and chunk checks for a whole batch, vectorized.
 
     Returns the positions in `todo` that fail (the caller re-checks those one by
-    one for the exact error) and every item's new-chunk byte count.
+    one for the exact error), every item's new-chunk byte count, and whether
+    each item is self-contained (every file's extents are exactly its declared
+    new chunks, in order: no lookup of known chunks needed).
     """
     files = [(k, f) for k, t in enumerate(todo) for f in t[4]]
     new_bytes = [0] * len(todo)
+    closed = [True] * len(todo)
     if not files:
-        return set(), new_bytes
+        return set(), new_bytes, closed
     nf = len(files)
     ecount = np.fromiter((len(f[3]) // EXT.size for _, f in files), np.int64, nf)
     ccount = np.fromiter((len(f[4]) // CHK.size for _, f in files), np.int64, nf)
@@ -243,7 +246,14 @@ def _batch_check(todo: list[tuple]) -> tuple[set[int], list[int]]:
         per_file = np.bincount(cidx, weights=chk["raw"].astype(np.float64), minlength=nf)
         for (k, _), b in zip(files, per_file.tolist(), strict=True):
             new_bytes[k] += int(b)
-    return {files[i][0] for i in np.flatnonzero(bad).tolist()}, new_bytes
+    same = ecount == ccount
+    if len(ext) and len(chk) and same.any():
+        em, cm = np.repeat(same, ecount), np.repeat(same, ccount)
+        differ = ext["id"][em] != chk["id"][cm]  # rows of same-count files align
+        same &= np.bincount(fidx[em], weights=differ, minlength=nf) == 0
+    for i in np.flatnonzero(~same).tolist():
+        closed[files[i][0]] = False
+    return {files[i][0] for i in np.flatnonzero(bad).tolist()}, new_bytes, closed
 
 
 def _digest(files: list) -> bytes:
@@ -392,13 +402,13 @@ class CheckpointMixin:
                 if not isinstance(host, str) or len(host) > 255:
                     raise MetaError(errno.EINVAL, "host must be a string of at most 255 chars")
                 norm, new_bytes = _norm_files(files, check=not vector)
-                todo.append((i, job, step, rank, norm, host, _digest(norm), new_bytes))
+                todo.append((i, job, step, rank, norm, host, _digest(norm), new_bytes, False))
             except MetaError as e:
                 out[i] = e
             except (TypeError, ValueError) as e:
                 out[i] = MetaError(errno.EINVAL, f"bad commit_rank arguments: {e}")
         if vector and todo:
-            bad, counts = _batch_check(todo)
+            bad, counts, closed = _batch_check(todo)
             checked = []
             for k, t in enumerate(todo):
                 if k in bad:
@@ -407,7 +417,7 @@ class CheckpointMixin:
                     except MetaError as e:
                         out[t[0]] = e
                         continue
-                checked.append((*t[:7], counts[k]))
+                checked.append((*t[:7], counts[k], closed[k]))
             todo = checked
         if not todo:
             return out
@@ -462,7 +472,7 @@ class CheckpointMixin:
             state, world, _root = st
             prev = self._rank_digests(c, key, [t[3] for t in group if t[3] < world])
             for t in group:
-                i, job, step, rank, _files, _host, digest, _new = t
+                i, job, step, rank, _files, _host, digest, _new, _closed = t
                 if rank >= world:
                     res[i] = MetaError(
                         errno.EINVAL, f"rank {rank} out of range for world_size {world}"
@@ -520,6 +530,8 @@ class CheckpointMixin:
         """Drop (with EIO) commits whose extents reference a chunk nobody registered."""
         ask: set[bytes] = set()
         for t in fresh:
+            if t[8]:  # self-contained: checked in _batch_check
+                continue
             for f in t[4]:
                 ext_ids, new_ids = blob_chunk_ids(f[3]), _chk_ids(f[4])
                 if ext_ids != new_ids:  # the common case: every extent a new chunk, in order
@@ -637,7 +649,7 @@ class CheckpointMixin:
             )
         rank_rows = []
         journal = []
-        for _i, job, step, rank, files, host, digest, new_bytes in fresh:
+        for _i, job, step, rank, files, host, digest, new_bytes, _closed in fresh:
             rank_rows.append(
                 (
                     job, step, rank, host, now, sum(f[2] for f in files), new_bytes, len(files),

@@ -224,13 +224,23 @@ def test_vectorized_batch_checks_refuse_exactly_the_bad_ranks(vol):
             chk[0] = (cids[0], 10, 5, 7)
         elif how == "zero_chunk":
             chk[1] = (cids[1], 0, 5, 1)
+        elif how == "unknown":  # references a chunk nobody registered
+            chk[2] = (_cid(b"declared-not-used"), 10, 5, 1)
+        elif how == "known":  # references rank 0's chunk without declaring it: fine
+            ext[2] = (20, 10, 0, _cid(b"v0-0"))
         return [{"path": f"r{r}", "size": size,
                  "extents": b"".join(EXT.pack(*e) for e in ext),
                  "new_chunks": b"".join(CHK.pack(*c) for c in chk)}]  # fmt: skip
 
+    m.commit_rank("v", 1, 0, rank(0))
+    m.apply_pending()
     bad = {3: "overlap", 5: "past_end", 8: "zero_len", 13: "bad_state", 17: "zero_chunk"}
-    out = m.commit_ranks([("v", 1, r, rank(r, bad.get(r, "")), "h") for r in range(n)])
-    for r, res in enumerate(out):
+    how = {**bad, 19: "unknown", 21: "known"}
+    out = m.commit_ranks([("v", 1, r, rank(r, how.get(r, "")), "h") for r in range(1, n)])
+    assert isinstance(out[18], MetaError) and out[18].errno == errno.EIO
+    for r, res in enumerate(out, start=1):
+        if r == 19:
+            continue
         if r in bad:
             assert isinstance(res, MetaError) and res.errno == errno.EINVAL, (r, res)
             with pytest.raises(MetaError) as alone:
@@ -239,5 +249,5 @@ def test_vectorized_batch_checks_refuse_exactly_the_bad_ranks(vol):
         else:
             assert isinstance(res, dict) and res["state"] == "open", (r, res)
     info = m.checkpoint_info("v", 1)
-    assert info["committed"] == n - len(bad)
-    assert info["new_bytes"] == 30 * (n - len(bad))
+    assert info["committed"] == n - len(bad) - 1
+    assert info["new_bytes"] == 30 * (n - len(bad) - 1)
