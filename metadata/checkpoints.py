@@ -620,29 +620,30 @@ class CheckpointMixin:
                 file_rows.append((parent, name, f))
         inos = self._alloc_inos(c, len(new_dirs) + len(file_rows))
         real = lambda i: inos[-i - 1] if i < 0 else i  # noqa: E731
-        nlink: Counter[int] = Counter()
+        nlink: Counter[int] = Counter(real(parent) for parent, _ in new_dirs)
         ino_rows = []
         dent_rows = []
         dmode = stat.S_IFDIR | 0o755
-        for k, (parent, name) in enumerate(new_dirs):
-            ino_rows.append((inos[k], dmode, 2, 0, now, now, now, 0, b"", b""))
+        for k, (parent, name) in enumerate(new_dirs):  # a new dir's links counted in its row
+            ino_rows.append(
+                (inos[k], dmode, 2 + nlink.pop(inos[k], 0), 0, 0, 0, now, now, now, 0, 0, b"", b"")
+            )
             dent_rows.append((real(parent), name, inos[k]))
-            nlink[real(parent)] += 1
         fmode = stat.S_IFREG | 0o644
         file_ino: dict[int, int] = {}
         for k, (parent, name, f) in enumerate(file_rows, start=len(new_dirs)):
-            ino_rows.append((inos[k], fmode, 1, f[2], now, now, now, 1, b"", f[3]))
+            ino_rows.append((inos[k], fmode, 1, 0, 0, f[2], now, now, now, 0, 1, b"", f[3]))
             dent_rows.append((real(parent), name, inos[k]))
             file_ino[id(f)] = inos[k]
-        c.executemany(
-            self._q(
-                "INSERT INTO inodes (ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, "
-                "generation, target, extents) VALUES (?,?,?,0,0,?,?,?,?,0,?,?,?)"
-            ),
+        self._bulk_insert(
+            c,
+            "inodes",
+            "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation, target, "
+            "extents",
             ino_rows,
         )
-        c.executemany(self._q("INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)"), dent_rows)
-        if nlink:
+        self._bulk_insert(c, "dentries", "parent, name, ino", dent_rows)
+        if nlink:  # directories that existed before this batch
             c.executemany(
                 self._q("UPDATE inodes SET nlink = nlink + ? WHERE ino = ?"),
                 [(n, ino) for ino, n in sorted(nlink.items())],
@@ -661,20 +662,14 @@ class CheckpointMixin:
             refs = b"".join(f[3] for f in files)
             if refs or chunks:
                 journal.append((job, step, rank, chunks, refs))
-        c.executemany(
-            self._q(
-                "INSERT INTO ckpt_ranks (job, step, rank, host, committed, bytes, new_bytes, "
-                "files, digest, inos, paths) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
-            ),
+        self._bulk_insert(
+            c,
+            "ckpt_ranks",
+            "job, step, rank, host, committed, bytes, new_bytes, files, digest, inos, paths",
             rank_rows,
         )
         if journal:
-            c.executemany(
-                self._q(
-                    "INSERT INTO ref_journal (job, step, rank, chunks, refs) VALUES (?,?,?,?,?)"
-                ),
-                journal,
-            )
+            self._bulk_insert(c, "ref_journal", "job, step, rank, chunks, refs", journal)
 
     def _children(self, c: Any, parent: int, names: list[bytes]) -> dict[bytes, tuple[int, int]]:
         """name -> (ino, mode) of the existing entries among `names` under `parent`."""

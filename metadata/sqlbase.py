@@ -230,6 +230,11 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
         lo, hi = self._one(c, "SELECT MIN(id), MAX(id) FROM ref_journal")
         return 0 if lo is None else int(hi) - int(lo) + 1
 
+    def _bulk_insert(self, c: Any, table: str, cols: str, rows: list[tuple]) -> None:
+        """Insert many rows at once (PostgreSQL overrides this with COPY)."""
+        marks = ",".join("?" * (cols.count(",") + 1))
+        c.executemany(self._q(f"INSERT INTO {table} ({cols}) VALUES ({marks})"), rows)
+
     def _alloc_inos(self, c: Any, n: int) -> list[int]:
         """Reserve n inode numbers for a bulk insert (the write lock is held)."""
         top = self._one(c, "SELECT COALESCE(MAX(ino), 0) FROM inodes")[0]
