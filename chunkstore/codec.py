@@ -163,6 +163,17 @@ def _pack(codec: int, width: int, raw_len: int, parts: list[bytes | memoryview])
     return b"".join([prefix, h.intdigest().to_bytes(8, "little"), *parts])
 
 
+def raw_parts(parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """encode(b"".join(parts), "none") as a list of buffers (header, then `parts` themselves),
+    for writers that write them with writev instead of copying the payload into one object."""
+    n = sum(memoryview(p).nbytes for p in parts)
+    prefix = _HDR.pack(MAGIC, VERSION, RAW, 0, n, 0)[:_SEEDED]
+    h = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(prefix))
+    for p in parts:
+        h.update(p)
+    return [prefix + h.intdigest().to_bytes(8, "little"), *parts]
+
+
 def encode(
     raw: bytes | memoryview,
     codec: str,

@@ -655,9 +655,9 @@ def _store(
     tier compresses at upload time and the rank syncs once before commit)."""
     tier = vol.tier
     if tier is not None and tier.durability == "local":
-        blob = _raw_object(pieces, n)
-        state = tier.put(cid, blob, sync=False, width=width)
-        return NewChunk(cid, n, len(blob), state)
+        parts = codec.raw_parts(pieces)  # written with writev: no copy of the payload
+        state = tier.put(cid, parts, sync=False, width=width)
+        return NewChunk(cid, n, n + codec.HEADER, state)
     raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     blob = codec.encode(raw, codec_name or vol.settings.compression, elem_width=width)
     if tier is not None:
@@ -666,14 +666,6 @@ def _store(
         vol.store.put_encoded(cid, blob)
         state = DURABLE
     return NewChunk(cid, n, len(blob), state)
-
-
-def _raw_object(pieces: list[bytes | memoryview], n: int) -> bytes:
-    """codec.encode(b"".join(pieces), "none") with one copy of the payload, not two."""
-    pack = getattr(codec, "_pack", None)
-    if pack is None:
-        return codec.encode(b"".join(pieces), "none")
-    return pack(codec.RAW, 0, n, pieces)
 
 
 def _transcode_for(compression: str) -> Any:
