@@ -627,7 +627,8 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
         if missing:
             raise MetaError(
                 errno.EIO,
-                f"extents reference {len(missing)} unknown chunk(s), e.g. {next(iter(missing)).hex()}",
+                f"extents reference {len(missing)} unknown chunk(s), "
+                f"e.g. {next(iter(missing)).hex()}",
             )
 
     def _missing(self, c: Any, ids: list[bytes]) -> set[bytes]:
@@ -661,7 +662,8 @@ class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
                 marks = ",".join("?" * len(part))
                 for r in self._x(
                     c,
-                    f"SELECT id, raw_len, stored_len, refcount, state FROM chunks WHERE id IN ({marks})",
+                    "SELECT id, raw_len, stored_len, refcount, state FROM chunks "
+                    f"WHERE id IN ({marks})",
                     part,
                 ).fetchall():
                     out[bytes(r[0])] = (r[1], r[2], r[3], r[4])

@@ -29,7 +29,8 @@ SCHEMA = [
     "CREATE INDEX IF NOT EXISTS dentries_ino ON dentries (ino)",
     """CREATE TABLE IF NOT EXISTS chunks (
         id BLOB PRIMARY KEY, raw_len INTEGER NOT NULL, stored_len INTEGER NOT NULL,
-        refcount INTEGER NOT NULL, state INTEGER NOT NULL, touched INTEGER NOT NULL) WITHOUT ROWID""",
+        refcount INTEGER NOT NULL, state INTEGER NOT NULL, touched INTEGER NOT NULL)
+        WITHOUT ROWID""",
     # Chunk references taken by checkpoint commits, applied to `chunks` in bulk off the
     # publish path (sqlbase.apply_pending): new chunks packed as CHK records, refs as the
     # files' packed extents (one reference per extent).
