@@ -176,8 +176,18 @@ class Segment:
 
     @staticmethod
     def _open_locked(path: str) -> int:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        """Create the segment already locked: made under a name adopters ignore, locked, then
+        renamed into place. (Created in place, a tier starting at the same moment could see
+        an unlocked segment, take it for a dead process's and adopt it.)"""
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.init"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(tmp, path)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
         return fd
 
     @property
