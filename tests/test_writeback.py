@@ -391,3 +391,162 @@ def test_status_and_flush_commands(vol_path, tmp_path, capsys):
         vol.close()
     assert cli_main(["status", vol_path, "--staging", str(tmp_path / "nope")]) == 1
     assert "no staging directory" in capsys.readouterr().err
+
+
+# -- foreground first: yielding uploader, batched fsyncs, upload-time compression -------------
+
+
+def _raw_chunk(vol: Volume, n: int, seed: int) -> tuple[bytes, bytes]:
+    from chunkstore.ids import chunk_id
+
+    raw = _data(n, seed)
+    return chunk_id(raw, vol.seed), raw
+
+
+def test_uploader_yields_to_foreground_writes_host_wide(vol_path, tmp_path):
+    """While any process on the host is putting, no tier uploads; once quiet, they drain.
+    flush() drains even while writes go on."""
+    staging = str(tmp_path / "staging")
+    writer = _open(vol_path, staging, size=256 * MiB, idle_s=1.5)
+    other = _open(vol_path, staging, size=256 * MiB, idle_s=1.5)  # another segment, same host
+    try:
+        cid, raw = _raw_chunk(other, 256 * 1024, 99)
+        other.tier.put(cid, codec.encode(raw, "none"))  # staged by the other tier
+        end = time.monotonic() + 2.0
+        i = 0
+        while time.monotonic() < end:  # the writer keeps the host busy
+            c, r = _raw_chunk(writer, 64 * 1024, i)
+            writer.tier.put(c, codec.encode(r, "none"))
+            i += 1
+            time.sleep(0.02)
+            assert writer.tier.uploaded_chunks == 0 and other.tier.uploaded_chunks == 0, i
+        _wait(lambda: other.tier.drained(), 30, "the other tier to drain once the host is quiet")
+        _wait(lambda: writer.tier.drained(), 30, "the writer's tier to drain")
+        assert other.tier.uploaded_chunks == 1 and writer.tier.uploaded_chunks == i
+
+        stop = threading.Event()
+
+        def busy() -> None:
+            j = 10_000
+            while not stop.is_set():
+                c, r = _raw_chunk(writer, 64 * 1024, j)
+                writer.tier.put(c, codec.encode(r, "none"))
+                j += 1
+                time.sleep(0.02)
+
+        t = threading.Thread(target=busy)
+        t.start()
+        try:
+            time.sleep(0.3)
+            writer.tier.flush(timeout=60)  # drains although the host never goes quiet
+            assert writer.tier.uploaded_chunks > i
+        finally:
+            stop.set()
+            t.join()
+    finally:
+        writer.close()
+        other.close()
+
+
+def test_unsynced_puts_are_acknowledged_by_one_sync(vol_path, tmp_path):
+    """put(sync=False) writes only a temp file; sync_staged() journals the batch with one
+    journal fsync; discard_unsynced() drops what was never acknowledged."""
+    staging = str(tmp_path / "staging")
+    vol = _open(vol_path, staging, size=256 * MiB, idle_s=60)
+    try:
+        tier = vol.tier
+        chunks = [_raw_chunk(vol, 128 * 1024, s) for s in range(6)]
+        for cid, raw in chunks:
+            parts = codec.raw_parts([raw[:1000], memoryview(raw)[1000:]])
+            tier.put(cid, parts, sync=False)
+        assert _check_journals(staging) == 0
+        assert not os.listdir(os.path.join(staging, "staged"))
+        assert len(os.listdir(os.path.join(staging, "tmp"))) == 6
+        fsyncs = tier.seg.fsyncs
+        assert tier.sync_staged() == 6
+        assert tier.seg.fsyncs == fsyncs + 1
+        assert _check_journals(staging) == 6
+        for cid, raw in chunks:
+            assert tier.get(cid) == raw
+            assert bytes(tier.get(cid, view=True)) == raw
+        cid, raw = _raw_chunk(vol, 128 * 1024, 50)
+        used = tier.stats()["used_bytes"]
+        tier.put(cid, codec.encode(raw, "none"), sync=False)
+        tier.discard_unsynced()
+        assert tier.stats()["used_bytes"] == used
+        assert not [n for n in os.listdir(os.path.join(staging, "tmp")) if n.startswith("s")]
+        assert tier.sync_staged() == 0
+        assert _check_journals(staging) == 6
+    finally:
+        vol.close()
+
+
+UNSYNCED_CHILD = r"""
+import sys, time
+from chunkstore import codec
+from chunkstore.ids import chunk_id
+from fusefs.volume import Volume
+vol = Volume.open(sys.argv[1])
+vol.attach_tier(sys.argv[2], size=64 * 2**20)
+for s in range(3):
+    raw = bytes([s]) * 300_000
+    vol.tier.put(chunk_id(raw, vol.seed), codec.encode(raw, "none"), sync=False)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_kill9_before_sync_leaves_no_journal_reference(vol_path, tmp_path):
+    staging = str(tmp_path / "staging")
+    p = subprocess.Popen(
+        [sys.executable, "-c", UNSYNCED_CHILD, vol_path, staging],
+        stdout=subprocess.PIPE,
+        env=_env(),
+        text=True,
+    )
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        assert len(os.listdir(os.path.join(staging, "tmp"))) >= 3
+    finally:
+        p.kill()
+        p.wait()
+    vol = _open(vol_path, staging, size=64 * MiB)
+    try:  # the next tier on the host: nothing to adopt, the dead writer's temp files gone
+        assert _check_journals(staging) == 0
+        assert vol.tier.stats()["pending_chunks"] == 0
+        assert not [n for n in os.listdir(os.path.join(staging, "tmp")) if n.startswith("s")]
+    finally:
+        vol.close()
+
+
+def test_transcode_at_upload_and_raw_reads_verified(vol_path, tmp_path):
+    """A chunk staged raw is compressed on its way to the nodes; a corrupt raw cached copy
+    is never returned (the id check covers the payload), it is refetched."""
+    staging = str(tmp_path / "staging")
+
+    def transcode(blob: bytes, width: int | None) -> bytes:
+        return codec.encode(codec.decode(blob), "zstd")
+
+    vol = _open(vol_path, staging, size=64 * MiB, transcode=transcode)
+    try:
+        from chunkstore.ids import chunk_id
+
+        raw = b"checkpoint " * 50_000
+        cid = chunk_id(raw, vol.seed)
+        vol.tier.put(cid, codec.encode(raw, "none"), sync=False, width=None)
+        vol.tier.sync_staged()
+        vol.tier.flush(timeout=60)
+        stored = [n.get(cid) for n in vol.store.placement(cid)]
+        assert all(codec.header_info(b)[1] == "zstd" and len(b) < len(raw) // 10 for b in stored)
+        assert codec.decode(stored[0]) == raw
+        cached = vol.tier.cache.path(cid)
+        with open(cached, "r+b") as f:  # the raw copy kept as read cache: flip a payload byte
+            f.seek(codec.HEADER + 12345)
+            b = f.read(1)
+            f.seek(codec.HEADER + 12345)
+            f.write(bytes([b[0] ^ 1]))
+        assert vol.tier.cache.misses == 0
+        assert bytes(vol.tier.get(cid, view=True)) == raw
+        assert vol.tier.cache.misses == 1  # the bad copy was dropped; fetched from the nodes
+    finally:
+        vol.close()
