@@ -155,6 +155,32 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_delete(args: argparse.Namespace) -> int:
+    meta = open_meta(args.volume)
+    try:
+        res = meta.delete_checkpoint(args.job, args.step)
+    finally:
+        meta.close()
+    print(f"{args.job} step {args.step}: {res['state']} ({res['inodes_freed']} inodes freed)")
+    print("chunks no other step uses are reclaimed by `ckptfs gc` after the grace period")
+    return 0
+
+
+def cmd_retain(args: argparse.Namespace) -> int:
+    meta = open_meta(args.volume)
+    try:
+        if args.policy:
+            meta.set_retention(args.job, args.keep_last)
+        deleted = meta.retain(args.job, args.keep_last)
+    finally:
+        meta.close()
+    kept = f"keeping the newest {args.keep_last}"
+    print(f"{args.job}: deleted {len(deleted)} step(s) {deleted if deleted else ''}, {kept}")
+    if args.policy:
+        print(f"{args.job}: policy stored, applied after every publish of this job")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from fusefs.cli import size_arg
 
@@ -182,6 +208,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     sh.add_argument("--json", action="store_true")
     sh.add_argument("--all", action="store_true", help="every rank, however many")
     sh.set_defaults(func=cmd_show)
+    de = csub.add_parser("delete", help="delete a published step (gc reclaims its chunks)")
+    de.add_argument("job")
+    de.add_argument("step", type=int)
+    de.set_defaults(func=cmd_delete)
+    rt = csub.add_parser("retain", help="delete all but the newest K published steps of a job")
+    rt.add_argument("job")
+    rt.add_argument("--keep-last", type=int, required=True, metavar="K")
+    rt.add_argument(
+        "--policy", action="store_true", help="also store K as the job's policy (after publish)"
+    )
+    rt.set_defaults(func=cmd_retain)
 
 
 if __name__ == "__main__":  # pragma: no cover

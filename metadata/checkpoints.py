@@ -32,8 +32,8 @@ import xxhash
 
 from metadata.engine import DURABLE, NAME_MAX, ROOT_INO, Extent, MetaError, NewChunk
 
-OPEN, PUBLISHED, ABORTED = 0, 1, 2
-STATE_NAMES = {OPEN: "open", PUBLISHED: "published", ABORTED: "aborted"}
+OPEN, PUBLISHED, ABORTED, DELETED = 0, 1, 2, 3
+STATE_NAMES = {OPEN: "open", PUBLISHED: "published", ABORTED: "aborted", DELETED: "deleted"}
 PATH_MAX = 4096
 MAX_FILES_PER_RANK = 100_000
 MAX_WORLD = 1 << 20
@@ -442,6 +442,15 @@ class CheckpointMixin:
                 self._apply_journal(c, None)
         for i, r in res.items():
             out[i] = r
+        # A fresh commit whose step is now published is the one that published it.
+        # Retention runs after the publish is visible, never inside its transaction.
+        published = {
+            r["job"]
+            for r in res.values()
+            if isinstance(r, dict) and not r["duplicate"] and r["state"] == "published"
+        }
+        for job in published:
+            self.apply_retention(job)
         return out
 
     def _commit_group(self, c: Any, todo: list[tuple], careful: bool) -> dict[int, Any]:

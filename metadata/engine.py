@@ -85,6 +85,17 @@ class NewChunk:
     state: int = DURABLE
 
 
+@dataclass(frozen=True)
+class ChunkRow:
+    """A chunk's metadata row, as fsck and gc see it."""
+
+    raw_len: int
+    stored_len: int
+    refcount: int
+    state: int
+    touched_ns: int
+
+
 @dataclass
 class DirEntry:
     name: bytes

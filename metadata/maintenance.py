@@ -11,19 +11,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from metadata.checkpoints import blob_chunk_ids
-
-
-@dataclass(frozen=True)
-class ChunkRow:
-    raw_len: int
-    stored_len: int
-    refcount: int
-    state: int
-    touched_ns: int
+from metadata.engine import ChunkRow
 
 
 class MaintenanceMixin:

@@ -23,13 +23,15 @@ from typing import Any
 
 import msgspec
 
-from metadata.engine import Attr, DirEntry, Extent, NewChunk, VolumeStats
+from metadata.engine import Attr, ChunkRow, DirEntry, Extent, NewChunk, VolumeStats
 
 PROTO_VERSION = 1
 MAX_FRAME = 64 * 2**20
 HEADER = struct.Struct(">I")
 
-_TYPES: dict[int, type] = {1: Attr, 2: Extent, 3: NewChunk, 4: DirEntry, 5: VolumeStats}
+_TYPES: dict[int, type] = {
+    1: Attr, 2: Extent, 3: NewChunk, 4: DirEntry, 5: VolumeStats, 6: ChunkRow
+}  # fmt: skip
 _CODES = {cls: code for code, cls in _TYPES.items()}
 _FIELDS = {cls: [f.name for f in fields(cls)] for cls in _TYPES.values()}
 _SET = 20
@@ -42,13 +44,18 @@ READ_METHODS = frozenset(
         "ping", "get_config", "lookup", "getattr", "readdir", "readlink", "get_xattr", "list_xattr",
         "get_extents", "chunk_info", "stats", "step_state", "wait_published", "latest",
         "latest_durable", "manifest", "list_checkpoints", "checkpoint_info", "pending_refs",
+        "get_retention", "chunk_rows", "true_refcounts", "files_using", "inode_path",
+        "known_chunks", "under_replicated",
     }
 )  # fmt: skip
 MUTATING_METHODS = frozenset(
     {
         "create", "link", "unlink", "rmdir", "rename", "setattr", "forget_orphan",
         "purge_orphans", "set_xattr", "remove_xattr", "commit_file", "missing_chunks",
-        "mark_durable", "begin", "commit_rank", "abort", "expire",
+        "mark_durable", "begin", "commit_rank", "abort", "expire", "delete_checkpoint",
+        "retain", "set_retention", "apply_retention", "fix_refcounts", "gc_chunk_rows",
+        "record_under_replicated", "clear_under_replicated", "drop_chunk_rows",
+        "register_chunk_rows", "apply_pending",
     }
 )  # fmt: skip
 REMOTE_METHODS = READ_METHODS | MUTATING_METHODS

@@ -41,6 +41,7 @@ from metadata.engine import (
     check_name,
 )
 from metadata.maintenance import MaintenanceMixin
+from metadata.retention import RetentionMixin
 
 _ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation"
 XATTR_MAX = 64 * 1024
@@ -54,7 +55,7 @@ def _attr(row: Any) -> Attr:
     return Attr(*row)
 
 
-class SqlEngine(CheckpointMixin, MaintenanceMixin, MetaEngine):
+class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
     """Subclasses set `self._conn` and implement `_ddl`, `_begin` and `_q`."""
 
     _lock: threading.RLock
