@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 import trio
 
+from metadata.checkpoints import pack_files
 from metadata.engine import MetaEngine, MetaError
 from metadata.protocol import (
     MAX_FRAME,
@@ -58,6 +59,7 @@ APPLY_IDLE = 0.05  # no request for this long: apply a slice of the reference jo
 APPLY_SLICE = 32  # journal entries (rank commits) per slice: ~10-50 ms of engine time
 IDEM_KEEP = 200_000
 MANIFESTS_KEEP = 8
+STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
 
 
@@ -182,6 +184,26 @@ def _manifest_args(job: str, step: int, rank: int | None = None) -> tuple[str, i
 _EMPTY = msgspec.Raw(b"\x90")  # an empty msgpack array
 
 
+def _encode_manifest(head: dict, files: dict[int, list]) -> tuple[dict, Any, dict]:
+    """The manifest encodings (whole, per rank) from the commits' own file lists, in
+    the order manifest_parts reads them: by rank, then by path bytes."""
+    enc = msgspec.msgpack.Encoder()
+    by_rank: dict[int, list[dict]] = {}
+    for rank in sorted(files):
+        rows = []
+        for f in pack_files(files[rank]):
+            p = f["path"]
+            raw = os.fsencode(p) if isinstance(p, str) else bytes(p)
+            rows.append((raw, int(f["size"]), bytes(f.get("extents", b""))))
+        rows.sort(key=lambda r: r[0])
+        by_rank[rank] = [
+            {"path": os.fsdecode(p), "size": n, "rank": rank, "extents": ext} for p, n, ext in rows
+        ]
+    full = msgspec.Raw(enc.encode([f for r in by_rank for f in by_rank[r]]))
+    per = {r: msgspec.Raw(enc.encode(fs)) for r, fs in by_rank.items()}
+    return head, full, per
+
+
 class MetaService:
     def __init__(
         self,
@@ -204,6 +226,9 @@ class MetaService:
         self._building = 0  # manifests being built: the fan-out comes next, don't apply
         self._idem: OrderedDict[bytes, _Slot] = OrderedDict()
         self._manifests: OrderedDict[tuple, _Slot] = OrderedDict()
+        # (job, step) -> {rank: files} of the commits this process wrote: at publish the
+        # manifest is encoded from these, without reading the step back (see _prebuild)
+        self._step_files: dict[tuple[str, int], dict[int, list]] = {}
         self._terminal: dict[tuple[str, int], dict] = {}
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -410,11 +435,12 @@ class MetaService:
             self.stats["batches"] += 1
             self.stats["batched_commits"] += len(batch)
             changed = False
-            for (_, slot), res in zip(batch, results, strict=True):
+            for (item, slot), res in zip(batch, results, strict=True):
                 if isinstance(res, MetaError):
                     slot.set(error=res)
                 else:
                     key = (res["job"], res["step"])
+                    self._remember_files(key, item, res)
                     if res["state"] != "open" and key not in self._terminal:
                         self._terminal[key] = res
                         changed = True
@@ -423,6 +449,16 @@ class MetaService:
                     slot.set(res)
             if changed:
                 self._notify()
+
+    def _remember_files(self, key: tuple[str, int], item: tuple, res: dict) -> None:
+        if res["state"] == "aborted":
+            self._step_files.pop(key, None)
+        elif not res["duplicate"]:
+            if key not in self._step_files:
+                while len(self._step_files) >= STEP_FILES_KEEP:  # open steps never finished
+                    del self._step_files[next(iter(self._step_files))]
+                self._step_files[key] = {}
+            self._step_files[key][item[2]] = item[3]
 
     async def _apply_slice(self) -> None:
         try:
@@ -472,7 +508,32 @@ class MetaService:
 
     # -- manifests -------------------------------------------------------------------
     async def _prebuild(self, job: str, step: int) -> None:
-        """Encode a step's manifest as soon as it publishes: the fan-out follows."""
+        """Encode a step's manifest as soon as it publishes: the fan-out follows.
+
+        When every rank committed through this process, the files it received are
+        the step's content (the tree was unreachable until publish): encode those
+        and skip reading 4 x N inodes back. Otherwise (ranks committed through
+        another service, or before a restart) read the step from the engine."""
+        key = (job, step)
+        files = self._step_files.pop(key, None)
+        head = self._terminal.get(key)
+        if files and head and len(files) == head["world_size"] and key not in self._manifests:
+            entry = self._manifests[key] = _Slot()
+            head = {k: v for k, v in head.items() if k != "duplicate"}
+            self._building += 1
+            try:
+                parts = await trio.to_thread.run_sync(_encode_manifest, head, files)
+            except Exception:  # noqa: BLE001 - fall back to reading the step
+                log.exception("encoding the manifest of %s/%s from commits failed", job, step)
+                del self._manifests[key]
+                entry.set(error=MetaError(errno.EAGAIN, "manifest not ready; retry"))
+            else:
+                entry.set(parts)
+                while len(self._manifests) > MANIFESTS_KEEP:
+                    self._manifests.popitem(last=False)
+                return
+            finally:
+                self._building -= 1
         try:
             await self._manifest(job, step)
         except Exception:  # noqa: BLE001 - a request will build it (and report) later
