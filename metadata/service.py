@@ -403,7 +403,15 @@ class MetaService:
         result = await self._run(getattr(self.engine, method), *args, **kwargs)
         if method in ("abort", "expire", "begin"):
             self._notify()
+        if method in ("delete_checkpoint", "retain", "apply_retention"):
+            self._forget_job(args[0] if args else kwargs["job"])
         return result
+
+    def _forget_job(self, job: str) -> None:
+        """Drop cached manifests and states of a job whose steps were deleted."""
+        for cache in (self._manifests, self._terminal):
+            for key in [k for k in cache if k[0] == job]:
+                del cache[key]
 
     async def _get_config(self) -> dict:
         return absolute_config(await self._run(self.engine.get_config), self.base_dir)
@@ -445,6 +453,8 @@ class MetaService:
                         self._terminal[key] = res
                         changed = True
                         if res["state"] == "published" and self._nursery is not None:
+                            self._forget_job(key[0])  # retention may have deleted old steps
+                            self._terminal[key] = res
                             self._nursery.start_soon(self._prebuild, *key)
                     slot.set(res)
             if changed:
