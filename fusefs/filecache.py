@@ -23,7 +23,9 @@ small-file case) is hashed, stored and committed in a single worker call at clos
 With a local write-behind tier, new chunks are staged without fsync (`put(sync=False)`)
 and acknowledged in one batch (`sync_staged`) right before the commit that names them,
 so a save pays one round of fsyncs per commit instead of three per chunk. A chunk read
-back before its commit is synced first (the tier serves only acknowledged chunks).
+back before its commit is synced first (the tier serves only acknowledged chunks), and a
+long write syncs every `unsynced_max` bytes: unacknowledged chunks cannot be uploaded, so
+without that bound they would fill the staging budget and stall the writer.
 
 Reads see committed extents, then blocks being stored, then dirty spans. A read inside one
 cached chunk is answered with a view of it (no copy on the trio thread).
@@ -297,6 +299,7 @@ class FileCache:
         cache_max: int = 128 * 2**20,
         readahead: int = 8,
         workers: int = 6,
+        unsynced_max: int = 256 * 2**20,
     ) -> None:
         self.vol = vol
         self.nursery = nursery
@@ -305,6 +308,7 @@ class FileCache:
         self.inflight_max = inflight_max
         self.cache_max = cache_max
         self.readahead = readahead
+        self.unsynced_max = unsynced_max
         self.store_limiter = trio.CapacityLimiter(workers)
         self.fetch_limiter = trio.CapacityLimiter(workers)
         self.meta_limiter = trio.CapacityLimiter(4)
@@ -318,7 +322,8 @@ class FileCache:
         self._changed = trio.lowlevel.ParkingLot()
         self._asks: dict[bytes, _Ask] = {}
         self._asking = False
-        self._unsynced: set[bytes] = set()  # staged by us without fsync, not yet synced
+        self._unsynced: dict[bytes, int] = {}  # staged by us without fsync: stored bytes
+        self._unsynced_bytes = 0
         self._unsynced_lock = threading.Lock()
 
     async def meta(self, fn, *args, **kw):
@@ -476,18 +481,29 @@ class FileCache:
         blob = codec.encode(data, self.vol.settings.compression)
         state = tier.put(cid, blob, sync=False)
         with self._unsynced_lock:
-            self._unsynced.add(cid)
+            if cid not in self._unsynced:
+                self._unsynced[cid] = len(blob)
+                self._unsynced_bytes += len(blob)
+            full = self._unsynced_bytes > self._unsynced_cap(tier)
+        if full:
+            self._sync()
         return NewChunk(cid, len(data), len(blob), state)
+
+    def _unsynced_cap(self, tier) -> int:
+        """Unacknowledged bytes allowed: a quarter of the staging budget, at most unsynced_max."""
+        budget = getattr(tier, "budget", None)
+        return min(self.unsynced_max, budget // 4) if budget else self.unsynced_max
 
     def _sync(self) -> None:
         """Worker thread: acknowledge every chunk staged unsynced (before a commit names it)."""
         with self._unsynced_lock:
-            ids = set(self._unsynced)
+            ids = list(self._unsynced)
         if not ids:
             return
         self.vol.tier.sync_staged()
         with self._unsynced_lock:
-            self._unsynced -= ids
+            for cid in ids:
+                self._unsynced_bytes -= self._unsynced.pop(cid, 0)
 
     def _publish(self, ino: int, extents, size: int, chunks: list[NewChunk], mtime_ns: int):
         """Worker thread: sync what was staged unsynced, then commit the file."""

@@ -320,6 +320,23 @@ def test_concurrent_identical_writers_store_each_chunk_once(mounted):
         assert v.stats()["stored_bytes"] < 13 * MiB  # one copy (random data: stored raw)
 
 
+def test_one_long_write_larger_than_staging(new_volume, mount_factory, tmp_path):
+    """Chunks staged unsynced cannot be uploaded until acknowledged: a single write
+    stream bigger than the staging budget must keep acknowledging them, not stall."""
+    stg = str(tmp_path / "stg")
+    m = mount_factory(new_volume(), "mnt", "--staging", stg, "--staging-size", "48MiB")
+    h = hashlib.sha256()
+    t0 = time.monotonic()
+    with open(m.path("big"), "wb") as f:
+        for _ in range(40):  # 160 MiB in one open, no fsync until close
+            block = os.urandom(4 * MiB)
+            h.update(block)
+            f.write(block)
+    assert time.monotonic() - t0 < 100  # the tier gives up (ENOSPC) after 120 s of no drain
+    with open(m.path("big"), "rb") as f:
+        assert hashlib.sha256(f.read()).digest() == h.digest()
+
+
 # -- consistency ---------------------------------------------------------------------------
 def test_rename_over_existing_is_atomic_for_a_reader(mounted):
     target = mounted.path("model.pt")
