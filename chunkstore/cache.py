@@ -28,15 +28,24 @@ log = logging.getLogger("ckptfs.cache")
 STRIPES = 4096
 
 
-def decode_view(blob: bytes) -> bytes | memoryview:
-    """codec.decode for a caller that checks the chunk id of what it gets (every read path
-    here does): a raw (uncompressed) object comes back as a view of its payload, not a copy,
-    and its payload checksum is skipped, since for raw objects the id check hashes the very
-    same bytes (a flipped bit fails it just the same)."""
-    version, name, raw_len = codec.header_info(blob)
-    if name == "none" and version == codec.VERSION and len(blob) - codec.HEADER == raw_len:
-        return memoryview(blob)[codec.HEADER :]
-    return codec.decode(blob)
+def read_object(path: str, fast: bool = False) -> bytes:
+    """Read and decode the chunk object at `path` (FileNotFoundError, ChunkFormatError).
+
+    fast=True is for callers that check the chunk id of what they get (every read path here
+    does): a raw (uncompressed) object's payload is read on its own, past the header, into a
+    bytes object of exactly the chunk (no copy, and torch.load can read it in place), and
+    its payload checksum is skipped, since the id check hashes the very same bytes."""
+    with open(path, "rb") as f:
+        if not fast:
+            return codec.decode(f.read())
+        head = f.read(codec.HEADER)
+        version, name, raw_len = codec.header_info(head)
+        if name != "none" or version != codec.VERSION:
+            return codec.decode(head + f.read())
+        raw = f.read()
+    if len(raw) != raw_len:
+        raise codec.ChunkFormatError(f"raw payload is {len(raw)} bytes, header says {raw_len}")
+    return raw
 
 
 class ChunkCache:
@@ -56,20 +65,16 @@ class ChunkCache:
     def path(self, cid: bytes) -> str:
         return os.path.join(self.dir, cid.hex())
 
-    def read_verified(self, path: str, cid: bytes, view: bool = False) -> bytes | memoryview | None:
+    def read_verified(self, path: str, cid: bytes, view: bool = False) -> bytes | None:
         """Raw bytes of the object at `path` if it is there and good; a bad file is removed.
 
-        With view=True an uncompressed object comes back as a view past its header (no copy
-        of the payload: the DCP reader hands it straight to torch.load)."""
+        view=True: the fast read of `read_object` (the id is checked right here)."""
         try:
-            with open(path, "rb") as f:
-                blob = f.read()
-        except FileNotFoundError:
-            return None
-        try:
-            raw = decode_view(blob) if view else codec.decode(blob)
+            raw = read_object(path, view)
             if chunk_id(raw, self.seed) != cid:
                 raise codec.ChunkFormatError("content does not match its chunk id")
+        except FileNotFoundError:
+            return None
         except codec.ChunkFormatError as e:
             log.warning("dropping bad cached chunk %s: %s", cid.hex(), e)
             try:
@@ -79,7 +84,7 @@ class ChunkCache:
             return None
         return raw
 
-    def lookup(self, cid: bytes, view: bool = False) -> bytes | memoryview | None:
+    def lookup(self, cid: bytes, view: bool = False) -> bytes | None:
         p = self.path(cid)
         raw = self.read_verified(p, cid, view)
         if raw is not None:

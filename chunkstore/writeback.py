@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import xxhash
 
 from chunkstore import codec
-from chunkstore.cache import ChunkCache, decode_view
+from chunkstore.cache import ChunkCache, read_object
 from chunkstore.ids import chunk_id
 from chunkstore.node import NodeError
 from chunkstore.store import ChunkStore, ChunkStoreError
@@ -711,10 +711,10 @@ class WriteBehindTier:
                 self._used -= n - added
 
     # -- read path ----------------------------------------------------------------------------
-    def get(self, cid: bytes, *, view: bool = False) -> bytes | memoryview:
+    def get(self, cid: bytes, *, view: bool = False) -> bytes:
         """Verified raw bytes: staged copy, else the host cache, else the nodes (once per host).
 
-        view=True may return a memoryview (no copy of an uncompressed staged/cached object)."""
+        view=True: uncompressed local copies are read the fast way (cache.read_object)."""
         raw = self._read_staged(cid, view)
         if raw is not None:
             return raw
@@ -724,16 +724,13 @@ class WriteBehindTier:
             return raw
         return self.cache.single_flight(cid, lambda: self._fetch(cid))
 
-    def _read_staged(self, cid: bytes, view: bool = False) -> bytes | memoryview | None:
+    def _read_staged(self, cid: bytes, view: bool = False) -> bytes | None:
         try:
-            with open(os.path.join(self.staged_dir, cid.hex()), "rb") as f:
-                blob = f.read()
-        except FileNotFoundError:
-            return None
-        try:
-            raw = decode_view(blob) if view else codec.decode(blob)
+            raw = read_object(os.path.join(self.staged_dir, cid.hex()), view)
             if chunk_id(raw, self.store.seed) != cid:
                 raise codec.ChunkFormatError("content does not match its chunk id")
+        except FileNotFoundError:
+            return None
         except codec.ChunkFormatError as e:
             log.error("staged chunk %s is corrupt: %s", cid.hex(), e)
             return None

@@ -884,6 +884,8 @@ class CkptfsReader(StorageReader):
             stream = self.transforms.transform_load_stream(
                 req, md.transform_descriptors, io.BytesIO(data)
             )
+        elif isinstance(data, bytes):
+            stream = io.BytesIO(data)  # shares the bytes (no copy) and reads them in C
         else:
             stream = _ViewReader(data)  # no transform: read the chunk bytes in place
         if req.type == LoadItemType.BYTE_IO:
@@ -983,9 +985,10 @@ def _assemble(
             if len(mine) == 1 and mine[0][1] == off and mine[0][2] == off + n:
                 e, lo, hi = mine[0]
                 raw = futs[e.chunk_id].result()
-                out: bytes | memoryview = memoryview(raw)[
-                    e.chunk_off + lo - e.offset : e.chunk_off + hi - e.offset
-                ]
+                a, b = e.chunk_off + lo - e.offset, e.chunk_off + hi - e.offset
+                # the whole chunk (an item is one chunk, usually): the bytes object itself
+                whole = a == 0 and b == len(raw) and isinstance(raw, bytes)
+                out: bytes | memoryview = raw if whole else memoryview(raw)[a:b]
             else:
                 buf = bytearray(n)  # holes (no extent) read as zeros
                 for e, lo, hi in mine:
