@@ -1,12 +1,22 @@
 """torch.distributed.checkpoint backend: ranks write the volume directly, no FUSE in the path.
 
-Layout mirrors FileSystemWriter byte for byte (`.metadata` plus `__{rank}_{n}.distcp`,
-every item `torch.save`d at the same offsets), so a checkpoint saved here loads with
-FileSystemReader through the mount and vice versa. What differs is where bytes go:
+Layout mirrors FileSystemWriter (`.metadata` plus `__{rank}_{n}.distcp`, every item
+`torch.save`d at the same offsets), so a checkpoint saved here loads with FileSystemReader
+through the mount and vice versa. By default tensors are serialized without torch's zip
+CRC32 (built per call, nothing process-global: see `_save_tensor`); our chunks carry their
+own checksums and ids, verified on every read. `zip_crc32=True` gives FileSystemWriter's
+exact bytes at ~1.3x the serialization cost. What differs is where bytes go:
 
-- each file is streamed through a volume FileWriter with a forced chunk cut at every
-  item, so an unchanged tensor yields the same chunks (and stores nothing) even when
-  its neighbours change; hashing and compression run in the volume's thread pool;
+- each file is cut into chunks at every item, so an unchanged tensor yields the same
+  chunks (and stores nothing) even when its neighbours change. The tensor's bytes are
+  hashed in place (views of its storage); only new chunks are copied, once;
+- by default saves go through the host's write-behind tier (durability=local): new chunks
+  are written raw to staging and fsync'd in one batch per rank just before its commit,
+  so a save costs about what a local-disk save costs. Compression and the R replicas
+  happen when the tier drains, after the save (its uploader yields to foreground writes
+  on the host). `latest` advances at publish, `latest_durable` once drained; `drain()`
+  waits for it, and a process drains at exit. `staging=False` writes straight to the
+  nodes (compressed, durable on return);
 - files are never committed into the live namespace. Each rank commits its files
   with the step's `commit_rank`; the coordinator commits last, in `finish`, with
   `.metadata`, which makes the metadata service publish the step atomically.
@@ -67,7 +77,14 @@ from chunkstore.ids import chunk_id
 from fusefs.volume import FileWriter, Volume
 from metadata.engine import DURABLE, Extent, MetaError, NewChunk
 
-__all__ = ["CkptfsWriter", "CkptfsReader", "latest_step", "resume_path", "parse_ckpt_path"]
+__all__ = [
+    "CkptfsWriter",
+    "CkptfsReader",
+    "drain",
+    "latest_step",
+    "resume_path",
+    "parse_ckpt_path",
+]
 
 log = logging.getLogger("ckptfs.dcp")
 EXIT_DRAIN_S = 600.0  # how long a process waits at exit for its staged chunks to drain
