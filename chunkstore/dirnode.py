@@ -10,14 +10,18 @@ caller-supplied string can name a path outside ROOT.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
 import uuid
 from collections.abc import Iterator
 
+from chunkstore.fileio import fsync_dir, start_writeback
 from chunkstore.ids import check_id, from_hex
 from chunkstore.node import NodeError, NodeInfo, ObjectMissing, ObjectNode
+
+log = logging.getLogger("ckptfs.dirnode")
 
 
 class DirNode(ObjectNode):
@@ -34,6 +38,7 @@ class DirNode(ObjectNode):
         self._made: set[str] = set()
         self._lock = threading.Lock()
         self._fsync_dirs = True
+        self._unsynced: dict[str, str] = {}  # object path -> its directory, awaiting sync()
 
     def ensure(self) -> None:
         """Create the node's directories (format time, or a node that was wiped)."""
@@ -46,6 +51,37 @@ class DirNode(ObjectNode):
         return d, os.path.join(d, h)
 
     def put(self, cid: bytes, blob: bytes | memoryview) -> None:
+        self._write(cid, blob, sync=True)
+
+    def put_nosync(self, cid: bytes, blob: bytes | memoryview) -> None:
+        """Write and rename into place, start the disk writing, fsync later in `sync()`.
+
+        Until then a crash can leave a torn object under its final name: the header
+        checksum rejects it on read, fsck reports it, and no metadata names it yet
+        (the commit that would waits for `sync()`)."""
+        self._write(cid, blob, sync=False)
+
+    def sync(self) -> None:
+        with self._lock:
+            files, self._unsynced = self._unsynced, {}
+        dirs = set(files.values())
+        try:
+            for path in files:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:
+                    log.warning("node %s: %s vanished before sync", self.name, path)
+                    continue
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            for d in dirs:
+                fsync_dir(d)
+        except OSError as e:
+            raise NodeError(f"node {self.name}: sync: {e.strerror or e}") from e
+
+    def _write(self, cid: bytes, blob: bytes | memoryview, *, sync: bool) -> None:
         d, final = self._path(cid)
         try:
             if d not in self._made:
@@ -60,16 +96,18 @@ class DirNode(ObjectNode):
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
-                os.fsync(fd)
+                if sync:
+                    os.fsync(fd)
+                else:
+                    start_writeback(fd)
             finally:
                 os.close(fd)
             os.rename(tmp, final)
-            if self._fsync_dirs:
-                dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+            if not sync:
+                with self._lock:
+                    self._unsynced[final] = d
+            elif self._fsync_dirs:
+                fsync_dir(d)
         except FileNotFoundError as e:
             # The node's directory vanished under us (a lost disk): that is a
             # node failure, not a missing object.

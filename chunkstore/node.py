@@ -44,6 +44,13 @@ class ObjectNode(ABC):
     def put(self, cid: bytes, blob: bytes | memoryview) -> None:
         """Store the object durably (the call returns only once it is)."""
 
+    def put_nosync(self, cid: bytes, blob: bytes | memoryview) -> None:
+        """Store the object; durable only after the next `sync()` (default: at once)."""
+        self.put(cid, blob)
+
+    def sync(self) -> None:  # noqa: B027 - nodes whose put is durable have nothing to do
+        """Make every object stored by `put_nosync` durable."""
+
     @abstractmethod
     def get(self, cid: bytes) -> bytes:
         """Return the stored object; ObjectMissing if absent."""

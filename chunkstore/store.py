@@ -80,8 +80,11 @@ class ChunkStore:
         now = time.monotonic()
         return sorted(order, key=lambda n: not self.health[n.name].available(now))
 
-    def put_encoded(self, cid: bytes, blob: bytes) -> list[str]:
+    def put_encoded(self, cid: bytes, blob: bytes, *, sync: bool = True) -> list[str]:
         """Write an encoded chunk object to its R nodes in parallel.
+
+        sync=False leaves the object's durability to the next `sync()` (one batch of
+        fsyncs before the metadata commit that names it, instead of two per object).
 
         Returns the names of the nodes that hold it. A placement node that is
         down (its breaker open) or fails is replaced by the next-ranked healthy
@@ -93,7 +96,7 @@ class ChunkStore:
         now = time.monotonic()
         live = [n for n in targets if self.health[n.name].available(now)]
         missed = [n for n in targets if n not in live]
-        ok, errors = self._put_all(cid, blob, live)
+        ok, errors = self._put_all(cid, blob, live, sync)
         missed += [n for n in live if n.name not in ok]
         if missed:
             for n in self.read_order(cid):
@@ -101,11 +104,11 @@ class ChunkStore:
                     break
                 if n in targets or not self.health[n.name].available():
                     continue
-                extra, errs = self._put_all(cid, blob, [n])
+                extra, errs = self._put_all(cid, blob, [n], sync)
                 ok += extra
                 errors += errs
             if not ok:  # every breaker open: try the skipped placement nodes anyway
-                extra, errs = self._put_all(cid, blob, [n for n in targets if n not in live])
+                extra, errs = self._put_all(cid, blob, [n for n in targets if n not in live], sync)
                 ok += extra
                 errors += errs
             if not ok:
@@ -118,18 +121,22 @@ class ChunkStore:
         return ok
 
     def _put_all(
-        self, cid: bytes, blob: bytes, nodes: Sequence[ObjectNode]
+        self, cid: bytes, blob: bytes, nodes: Sequence[ObjectNode], sync: bool = True
     ) -> tuple[list[str], list[str]]:
         """Put to these nodes in parallel; (names that acknowledged, error strings)."""
         ok, errors = [], []
         if len(nodes) == 1:
             try:
-                self._guarded(nodes[0], nodes[0].put, cid, blob)
+                put = nodes[0].put if sync else nodes[0].put_nosync
+                self._guarded(nodes[0], put, cid, blob)
                 ok.append(nodes[0].name)
             except NodeError as e:
                 errors.append(f"{nodes[0].name}: {e}")
             return ok, errors
-        futs = {self._pool.submit(self._guarded, n, n.put, cid, blob): n for n in nodes}
+        futs = {
+            self._pool.submit(self._guarded, n, n.put if sync else n.put_nosync, cid, blob): n
+            for n in nodes
+        }
         wait(futs)
         for f, n in futs.items():
             exc = f.exception()
@@ -162,6 +169,16 @@ class ChunkStore:
                 self.on_under_replicated(cid, nodes)
             except Exception:  # the save succeeded; fsck finds what was not recorded
                 log.exception("could not record under-replicated chunk %s", cid.hex())
+
+    def sync(self) -> None:
+        """Make every object put with sync=False durable (all nodes in parallel)."""
+        errors = []
+        for f, n in [(self._pool.submit(self._guarded, n, n.sync), n) for n in self.nodes]:
+            exc = f.exception()
+            if exc is not None:
+                errors.append(f"{n.name}: {exc}")
+        if errors:
+            raise ChunkStoreError(f"syncing chunk objects failed: {'; '.join(errors)}")
 
     def get(self, cid: bytes) -> bytes:
         """Return the verified raw bytes of a chunk from the first good replica."""

@@ -46,6 +46,7 @@ import xxhash
 
 from chunkstore import codec
 from chunkstore.cache import ChunkCache, read_object
+from chunkstore.fileio import fsync_dir, start_writeback
 from chunkstore.ids import chunk_id
 from chunkstore.node import NodeError
 from chunkstore.store import ChunkStore, ChunkStoreError
@@ -110,14 +111,6 @@ def parse_segment(data: bytes) -> SegmentState:
 def read_segment(path: str) -> SegmentState:
     with open(path, "rb") as f:
         return parse_segment(f.read())
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class GroupSync:
@@ -257,22 +250,6 @@ class Segment:
             os.close(fd)
 
 
-def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _libc_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2
-
-
 def _writev_all(fd: int, parts: list[memoryview]) -> None:
     """writev every buffer, resuming after short writes (and at most 512 buffers a call)."""
     parts = [p for p in parts if p.nbytes]
@@ -283,14 +260,6 @@ def _writev_all(fd: int, parts: list[memoryview]) -> None:
             parts.pop(0)
         if done:
             parts[0] = parts[0][done:]
-
-
-def _start_writeback(fd: int) -> None:
-    """Start writing a file's dirty pages now (Linux sync_file_range, no wait), so the disk
-    works while the writer computes and the fsync at commit finds little left to do.
-    Not a durability point by itself; a no-op where unavailable."""
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def default_staging_dir(volume_uuid: str) -> str:
@@ -492,7 +461,7 @@ class WriteBehindTier:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 _writev_all(fd, parts)
-                _start_writeback(fd)
+                start_writeback(fd)
             finally:
                 os.close(fd)
         except OSError as e:

@@ -50,6 +50,11 @@ VOLUME_FILE = "volume.json"
 FORMAT_VERSION = 1
 HASH_BATCH = 8  # chunks per "which exist?" query
 INFLIGHT_BYTES = 64 * 2**20  # raw bytes being encoded/stored per writer
+# Chunks are stored unsynced and acknowledged in one batch before the commit; a long
+# write syncs every UNSYNCED_MAX bytes (a quarter of a write-behind tier's budget, if
+# smaller) so it never holds more than that unacknowledged: the tier can neither upload
+# nor evict an unacknowledged chunk, and a full staging of them could never drain.
+UNSYNCED_MAX = 256 * 2**20
 
 
 class VolumeError(Exception):
@@ -408,18 +413,33 @@ class Volume:
         return list(self.pool.map(lambda r: chunk_id(r, self.seed), raws))
 
     def store_chunk(
-        self, cid: bytes, raw: bytes, codec_name: str | None = None, elem_width: int | None = None
+        self,
+        cid: bytes,
+        raw: bytes,
+        codec_name: str | None = None,
+        elem_width: int | None = None,
+        *,
+        sync: bool = True,
     ) -> NewChunk:
         """Encode and store one chunk (blocking); returns its record for commit.
 
-        `elem_width` is a float-width hint (DCP knows each tensor's dtype; probing costs more)."""
+        `elem_width` is a float-width hint (DCP knows each tensor's dtype; probing costs more).
+        sync=False: durable only after the next `sync_chunks()`, which the writer must call
+        before the commit that names the chunk (one batch of fsyncs per commit)."""
         blob = codec.encode(raw, codec_name or self.settings.compression, elem_width=elem_width)
         if self.tier is not None:
-            state = self.tier.put(cid, blob)
+            state = self.tier.put(cid, blob, sync=sync)
         else:
-            self.store.put_encoded(cid, blob)
+            self.store.put_encoded(cid, blob, sync=sync)
             state = DURABLE
         return NewChunk(cid, len(raw), len(blob), state)
+
+    def sync_chunks(self) -> None:
+        """Acknowledge every chunk stored with sync=False (tier staging or object nodes)."""
+        if self.tier is not None:
+            self.tier.sync_staged()
+        else:
+            self.store.sync()
 
     def fetch_chunk(self, cid: bytes) -> bytes:
         """Verified raw bytes of a chunk, through the host tier when there is one."""
@@ -455,6 +475,9 @@ class FileWriter:
         self._batch: list[tuple[int, bytes]] = []
         self._inflight: deque[tuple[Future, int]] = deque()
         self._inflight_bytes = 0
+        self._unsynced_bytes = 0
+        budget = getattr(vol.tier, "budget", None)
+        self._unsynced_max = UNSYNCED_MAX if budget is None else min(UNSYNCED_MAX, budget // 4)
         self._planned: set[bytes] = set()
         self._lock = threading.Lock()
         self.attr: Attr | None = None
@@ -494,9 +517,12 @@ class FileWriter:
     def _submit(self, cid: bytes, raw: bytes) -> None:
         while self._inflight and self._inflight_bytes + len(raw) > INFLIGHT_BYTES:
             self._reap_one()
-        fut = self.vol.pool.submit(self.vol.store_chunk, cid, raw, self.codec_name)
+        if self._unsynced_bytes and self._unsynced_bytes + len(raw) > self._unsynced_max:
+            self._sync()
+        fut = self.vol.pool.submit(self.vol.store_chunk, cid, raw, self.codec_name, sync=False)
         self._inflight.append((fut, len(raw)))
         self._inflight_bytes += len(raw)
+        self._unsynced_bytes += len(raw)
 
     def _reap_one(self) -> None:
         fut, n = self._inflight.popleft()
@@ -504,13 +530,19 @@ class FileWriter:
         rec = fut.result()
         self.new_chunks[rec.chunk_id] = rec
 
+    def _sync(self) -> None:
+        """Wait for the chunks in flight, then make them durable in one batch."""
+        while self._inflight:
+            self._reap_one()
+        self.vol.sync_chunks()
+        self._unsynced_bytes = 0
+
     def flush_data(self) -> None:
-        """Store every byte written so far (no commit): the write-behind 'fsync' point."""
+        """Store every byte written so far durably (no commit)."""
         for ch in self.chunker.cut():
             self._add(ch)
         self._flush_batch()
-        while self._inflight:
-            self._reap_one()
+        self._sync()
 
     def close(self, *, commit: bool = True) -> Attr | None:
         if self.closed:
@@ -520,8 +552,7 @@ class FileWriter:
             for ch in self.chunker.finish():
                 self._add(ch)
             self._flush_batch()
-            while self._inflight:
-                self._reap_one()
+            self._sync()
         except BaseException:
             self._drain_quietly()
             raise
