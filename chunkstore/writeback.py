@@ -20,9 +20,10 @@ taking the lock, copying its pending records into its own segment, and unlinking
 kill -9 loses nothing acknowledged: the next tier to open the directory uploads the rest.
 
 Chunk states are the metadata's ints (STAGED, DURABLE) redefined here: chunkstore does not
-import metadata. The tier talks back through `on_durable(ids) -> ids the metadata does not
-know yet`; those (uploaded before their file was committed) are retried, so a commit that
-lands after the upload cannot leave a chunk marked staged forever.
+import metadata. The tier talks back through `on_durable(ids, stored_lens) -> ids the
+metadata does not know yet`; those (uploaded before their file was committed) are retried,
+so a commit that lands after the upload cannot leave a chunk marked staged forever.
+`stored_lens` are the sizes on the nodes of chunks compressed at upload (0: unchanged).
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ class WriteBehindTier:
         *,
         size: int | None = None,
         durability: str = "local",
-        on_durable: Callable[[list[bytes]], list[bytes]] | None = None,
+        on_durable: Callable[[list[bytes], list[int]], list[bytes]] | None = None,
         uploaders: int = 4,
         keep_cache: bool = True,
         stall_timeout: float = 120.0,
@@ -357,6 +358,7 @@ class WriteBehindTier:
         # written to tmp/ without fsync (put(sync=False)): acknowledged by sync_staged()
         self._unsynced: dict[bytes, tuple[str, int]] = {}
         self._hints: dict[bytes, int | None] = {}  # float width hint for transcode
+        self._stored_lens: dict[bytes, int] = {}  # transcoded on upload: size on the nodes
         self._sync_lock = threading.Lock()
         self._last_put = 0.0  # monotonic time of this process's last foreground put
         self._last_mark = 0.0  # wall time we last touched the host-wide activity file
@@ -787,6 +789,8 @@ class WriteBehindTier:
                 continue
             now = time.monotonic()
             with self._cond:
+                if self.transcode is not None:
+                    self._stored_lens[cid] = len(blob)  # reported with the durable mark
                 self.uploaded_chunks += 1
                 self.uploaded_bytes += len(blob)
                 self._rate.append((now, len(blob)))
@@ -815,7 +819,14 @@ class WriteBehindTier:
         if self.on_durable is not None:
             try:
                 for i in range(0, len(ids), self.mark_batch):
-                    unknown.update(self.on_durable(ids[i : i + self.mark_batch]) or [])
+                    part = ids[i : i + self.mark_batch]
+                    with self._cond:
+                        sizes = [self._stored_lens.get(c, 0) for c in part]
+                    unknown.update(self.on_durable(part, sizes) or [])
+                    with self._cond:
+                        for c in part:
+                            if c not in unknown:
+                                self._stored_lens.pop(c, None)
             except Exception as e:
                 log.warning("could not mark %d chunks durable (will retry): %s", len(ids), e)
                 with self._cond:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import errno
 import hashlib
-import importlib
 import logging
 import os
 import subprocess
@@ -117,41 +116,8 @@ def _check_mountpoint(mp: str) -> None:
 
 
 def attach_tier(vol, staging: str | None, staging_size: int | None, durability: str | None):
-    """Put the host's write-behind tier (chunkstore.writeback) in front of the nodes."""
-    try:
-        writeback = importlib.import_module("chunkstore.writeback")
-    except ModuleNotFoundError as e:
-        if e.name != "chunkstore.writeback":
-            raise
-        if durability == "local" or staging:
-            log.warning("no write-behind tier in this build: durability is remote")
-        return None
-    opener = getattr(writeback, "attach", None)
-    if opener is not None:  # the tier's own helper, when it has one
-        kw = {"durability": durability or "local"}
-        if staging:
-            kw["staging"] = staging
-        if staging_size:
-            kw["staging_size"] = staging_size
-        return opener(vol, **kw)
-
-    def on_durable(ids: list[bytes]) -> list[bytes]:
-        """Mark uploaded chunks durable; return those the metadata does not know yet."""
-        info = vol.meta.chunk_info(ids)
-        known = [c for c in ids if c in info]
-        if known:
-            vol.meta.mark_durable(known)
-        return [c for c in ids if c not in info]
-
-    root = staging or writeback.default_staging_dir(vol.config["uuid"])
-    vol.tier = writeback.WriteBehindTier(
-        vol.store,
-        root,
-        size=staging_size,
-        durability=durability or "local",
-        on_durable=on_durable,
-    )
-    return vol.tier
+    """Put the host's write-behind tier in front of the nodes (durability local by default)."""
+    return vol.attach_tier(staging, staging_size, durability or "local")
 
 
 def _serve(args: argparse.Namespace, spec: str, mp: str, on_ready) -> None:

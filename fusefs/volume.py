@@ -247,11 +247,12 @@ class Volume:
             raise VolumeError("a write-behind tier is already attached")
         meta = self.meta
 
-        def on_durable(ids: list[bytes]) -> list[bytes]:
+        def on_durable(ids: list[bytes], stored_lens: list[int]) -> list[bytes]:
             known = meta.chunk_info(ids)
-            hit = [i for i in ids if i in known]
+            hit = [(i, n) for i, n in zip(ids, stored_lens, strict=True) if i in known]
             if hit:
-                meta.mark_durable(hit)
+                sizes = [n for _, n in hit]
+                meta.mark_durable([i for i, _ in hit], sizes if any(sizes) else None)
             return [i for i in ids if i not in known]
 
         try:

@@ -276,7 +276,8 @@ class MetaEngine(ABC):
         """id -> (raw_len, stored_len, refcount, state) for the known ones."""
 
     @abstractmethod
-    def mark_durable(self, ids: list[bytes]) -> None: ...
+    def mark_durable(self, ids: list[bytes], stored_lens: list[int] | None = None) -> None:
+        """Chunks now on R nodes; `stored_lens` when their encoding changed on upload."""
 
     @abstractmethod
     def stats(self) -> VolumeStats: ...

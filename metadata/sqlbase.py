@@ -670,12 +670,17 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     out[bytes(r[0])] = (r[1], r[2], r[3], r[4])
         return out
 
-    def mark_durable(self, ids: list[bytes]) -> None:
+    def mark_durable(self, ids: list[bytes], stored_lens: list[int] | None = None) -> None:
         with self._tx() as c:
             self._settle(c)  # a journalled chunk's row must exist, or the update is lost
             c.executemany(
                 self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), [(i,) for i in ids]
             )
+            if stored_lens is not None:  # compressed at upload: the size on the nodes
+                c.executemany(
+                    self._q("UPDATE chunks SET stored_len = ? WHERE id = ?"),
+                    [(n, i) for i, n in zip(ids, stored_lens, strict=True) if n > 0],
+                )
 
     def stats(self) -> VolumeStats:
         self.apply_pending()

@@ -28,9 +28,7 @@ def make_volume(tmp_path):
     made: list[Volume] = []
 
     def make(name: str = "vol", nodes: int | list[str] = 4, **settings) -> Volume:
-        vol = Volume.create(
-            str(tmp_path / name), nodes=nodes, settings=VolumeSettings(**settings)
-        )
+        vol = Volume.create(str(tmp_path / name), nodes=nodes, settings=VolumeSettings(**settings))
         made.append(vol)
         return vol
 

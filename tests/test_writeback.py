@@ -550,3 +550,22 @@ def test_transcode_at_upload_and_raw_reads_verified(vol_path, tmp_path):
         assert vol.tier.cache.misses == 1  # the bad copy was dropped; fetched from the nodes
     finally:
         vol.close()
+
+
+def test_compressed_at_upload_reports_stored_size(tmp_path):
+    """A chunk staged raw and compressed by the uploader: stats count its size on the nodes."""
+    from chunkstore import codec as _codec
+    from fusefs.volume import Volume as _Volume
+
+    def transcode(blob: bytes, width: int | None) -> bytes:
+        return _codec.encode(_codec.decode(blob), "zstd")
+
+    with _Volume.create(str(tmp_path / "vol"), nodes=2) as vol:
+        vol.attach_tier(str(tmp_path / "staging"), durability="local", transcode=transcode)
+        vol.write_file("/zeros", bytes(8 * 2**20), codec_name="none")
+        assert vol.stats()["stored_bytes"] >= 4 * 2**20  # staged raw: not known smaller yet
+        vol.tier.flush(timeout=60)
+        st = vol.stats()
+        assert st["staged_chunks"] == 0
+        assert st["stored_bytes"] < 64 * 1024, st  # the zstd size on the nodes
+        assert vol.read_file("/zeros") == bytes(8 * 2**20)
