@@ -471,12 +471,7 @@ class WriteBehindTier:
                 os.unlink(tmp)
             except OSError:
                 pass
-            with self._cond:
-                self._reserved -= n
-                self._used -= n
-                self._cond.notify_all()
-            if e.errno == errno.ENOSPC:
-                log.error("staging %s: disk full writing chunk %s", self.root, cid.hex())
+            self._write_failed(cid, n, e)
             raise
         with self._cond:
             if cid in self._unsynced or cid in self._pending:  # lost a race: keep the first
@@ -605,12 +600,7 @@ class WriteBehindTier:
             t_ns = time.time_ns()
             self.seg.add_pending([(cid, n, t_ns)])
         except OSError as e:
-            with self._cond:
-                self._reserved -= n
-                self._used -= n
-                self._cond.notify_all()
-            if e.errno == errno.ENOSPC:
-                log.error("staging %s: disk full writing chunk %s", self.root, cid.hex())
+            self._write_failed(cid, n, e)
             raise
         with self._cond:
             self._reserved -= n
@@ -619,6 +609,15 @@ class WriteBehindTier:
             self._seq += 1
             heapq.heappush(self._queue, (t_ns, self._seq, cid))
             self._cond.notify_all()
+
+    def _write_failed(self, cid: bytes, n: int, e: OSError) -> None:
+        """Give back the space reserved for a chunk whose staging write failed."""
+        with self._cond:
+            self._reserved -= n
+            self._used -= n
+            self._cond.notify_all()
+        if e.errno == errno.ENOSPC:
+            log.error("staging %s: disk full writing chunk %s", self.root, cid.hex())
 
     def _reserve(self, n: int) -> None:
         """Back-pressure: wait until staging has room; ENOSPC only if nothing frees space."""

@@ -74,7 +74,7 @@ from torch.futures import Future
 
 from chunkstore import codec
 from chunkstore.ids import chunk_id
-from fusefs.volume import FileWriter, Volume
+from fusefs.volume import FileWriter, Volume, drain_quietly
 from metadata.engine import DURABLE, Extent, MetaError, NewChunk
 
 __all__ = [
@@ -637,13 +637,7 @@ class _ChunkFile:
         self._keep = []
 
     def abort(self) -> None:
-        while self._inflight:
-            fut, _ = self._inflight.popleft()
-            fut.cancel()
-            try:
-                fut.result()
-            except BaseException:  # noqa: S110 - the first error is the one reported
-                pass
+        drain_quietly(self._inflight)
         self._keep = []
 
 

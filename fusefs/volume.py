@@ -462,6 +462,17 @@ def _open_engine(url: str, base_dir: str) -> MetaEngine:
     raise VolumeError(f"unknown metadata engine URL {url!r}")
 
 
+def drain_quietly(inflight: deque[tuple[Future, int]]) -> None:
+    """Cancel or wait out a failed writer's store tasks; the first error is the one reported."""
+    while inflight:
+        fut, _ = inflight.popleft()
+        fut.cancel()
+        try:
+            fut.result()
+        except BaseException:  # noqa: S110
+            pass
+
+
 class FileWriter:
     """Streams bytes into chunks; the file changes only at close(), in one commit."""
 
@@ -568,13 +579,7 @@ class FileWriter:
         self._drain_quietly()
 
     def _drain_quietly(self) -> None:
-        while self._inflight:
-            fut, _ = self._inflight.popleft()
-            fut.cancel()
-            try:
-                fut.result()
-            except BaseException:  # noqa: S110 - the first error is the one reported
-                pass
+        drain_quietly(self._inflight)
 
     def __enter__(self) -> FileWriter:
         return self
