@@ -230,8 +230,13 @@ def encode(
 # -- decode / verify ---------------------------------------------------------------------------
 
 
-def _parse(blob: bytes | memoryview) -> tuple[int, int, int, memoryview]:
-    """Check header and checksum; return (codec, width, raw_len, payload view)."""
+def _parse(
+    blob: bytes | memoryview, *, id_checked: bool = False
+) -> tuple[int, int, int, memoryview]:
+    """Check header and checksum; return (codec, width, raw_len, payload view).
+
+    id_checked=True: the caller hashes the decoded bytes against the chunk id, so for a
+    raw object (whose payload *is* those bytes) the payload checksum is skipped."""
     mv = _as_bytes_view(blob)
     if len(mv) < HEADER:
         raise ChunkFormatError(f"chunk object truncated: {len(mv)} bytes, header needs {HEADER}")
@@ -245,6 +250,8 @@ def _parse(blob: bytes | memoryview) -> tuple[int, int, int, memoryview]:
     if (codec == FLOAT) != (width != 0) or (codec == FLOAT and width not in _FLOAT_WIDTHS):
         raise ChunkFormatError(f"invalid element width {width} for codec {_CODEC_NAMES[codec]}")
     payload = mv[HEADER:]
+    if id_checked and codec == RAW:
+        return codec, width, raw_len, payload
     seed = xxhash.xxh3_64_intdigest(mv[:_SEEDED])
     if xxhash.xxh3_64_intdigest(payload, seed=seed) != checksum:
         raise ChunkFormatError("chunk checksum mismatch: object is corrupt or truncated")
@@ -323,9 +330,11 @@ def _unzstd(frame: memoryview, expect: int, what: str) -> bytes:
     return out
 
 
-def decode(blob: bytes | memoryview) -> bytes:
-    """Verify and decode a chunk object back to its raw bytes; raise ChunkFormatError if bad."""
-    codec, width, raw_len, payload = _parse(blob)
+def decode(blob: bytes | memoryview, *, id_checked: bool = False) -> bytes:
+    """Verify and decode a chunk object back to its raw bytes; raise ChunkFormatError if bad.
+
+    id_checked=True only for callers that then compare the content id (see `_parse`)."""
+    codec, width, raw_len, payload = _parse(blob, id_checked=id_checked)
     if codec == RAW:
         _check_structure(codec, width, raw_len, payload)
         return bytes(payload)

@@ -195,7 +195,7 @@ class ChunkStore:
                 reasons.append(f"{node.name}: {e}")
                 continue
             try:
-                raw = codec.decode(blob)
+                raw = codec.decode(blob, id_checked=True)
                 if chunk_id(raw, self.seed) != cid:
                     raise codec.ChunkFormatError("content does not match its chunk id")
             except codec.ChunkFormatError as e:
