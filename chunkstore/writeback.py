@@ -912,7 +912,7 @@ class WriteBehindTier:
                     pid = int(e.name[1:].split(".")[0])
                 except ValueError:
                     pid = -1
-                alive = pid > 0 and _pid_alive(pid)
+                alive = pid > 0 and pid_alive(pid)
                 try:
                     if not alive or now - e.stat().st_mtime > 3600:
                         os.unlink(e.path)
@@ -1121,14 +1121,19 @@ class WriteBehindTier:
         self.seg.close(remove=clean)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Is this process running (a zombie counts as gone)?"""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def scan_staging(root: str) -> dict:

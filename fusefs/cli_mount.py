@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+from chunkstore.writeback import pid_alive
 from fusefs.defaults import data_dir, ensure_default_volume
 from fusefs.units import parse_size
 
@@ -84,20 +85,6 @@ def _read_pid(mountpoint: str) -> int | None:
         return int(pid_s) if mp.strip() == mountpoint else None
     except (OSError, ValueError):
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is as good as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # -- mount -----------------------------------------------------------------------------
@@ -260,9 +247,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
             raise MountError(f"cannot unmount {mp}: {err}")
     if pid is not None and state == "mounted":
         deadline = time.monotonic() + EXIT_TIMEOUT
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _alive(pid):
+        if pid_alive(pid):
             raise MountError(f"unmounted {mp}, but daemon {pid} is still finishing")
     what = "cleaned up disconnected mount" if state == "disconnected" else "unmounted"
     print(f"ckptfs: {what} {mp}", file=sys.stderr)

@@ -16,8 +16,6 @@ from __future__ import annotations
 import errno
 import re
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -106,34 +104,22 @@ class PostgresEngine(SqlEngine):
                 self._qcache[sql] = out
         return out
 
-    @contextmanager
-    def _tx(self) -> Iterator[Any]:
-        with self._lock:
-            if self._depth:
-                self._depth += 1
-                try:
-                    yield self._conn
-                finally:
-                    self._depth -= 1
-                return
-            conn = self._conn.conn
-            conn.execute("BEGIN")
-            self._depth = 1
-            try:
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
-                yield self._conn
-            except BaseException:
-                self._depth = 0
-                if not conn.closed:
-                    conn.execute("ROLLBACK")
-                raise
-            self._depth = 0
-            conn.execute("COMMIT")
+    def _begin(self) -> None:
+        conn = self._conn.conn
+        conn.execute("BEGIN")
+        try:  # writers are serialized across services, as SQLite serializes them
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
+        except BaseException:
+            if not conn.closed:
+                conn.execute("ROLLBACK")
+            raise
 
-    @contextmanager
-    def _read(self) -> Iterator[Any]:
-        with self._lock:
-            yield self._conn
+    def _end(self, *, commit: bool) -> None:
+        conn = self._conn.conn
+        if commit:
+            conn.execute("COMMIT")
+        elif not conn.closed:
+            conn.execute("ROLLBACK")
 
     def close(self) -> None:
         with self._lock:

@@ -71,14 +71,39 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
 
     @contextmanager
     def _tx(self) -> Iterator[Any]:
-        """A write transaction; the subclass takes the write lock up front."""
+        """A write transaction on the engine's one connection. Re-entrant: a nested call
+        joins the outer transaction. The subclass begins it (taking the write lock up
+        front) and ends it."""
+        with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield self._conn
+                finally:
+                    self._depth -= 1
+                return
+            self._begin()
+            self._depth = 1
+            try:
+                yield self._conn
+            except BaseException:
+                self._depth = 0
+                self._end(commit=False)
+                raise
+            self._depth = 0
+            self._end(commit=True)
+
+    def _begin(self) -> None:
         raise NotImplementedError
-        yield
+
+    def _end(self, *, commit: bool) -> None:
+        raise NotImplementedError
 
     @contextmanager
     def _read(self) -> Iterator[Any]:
-        with self._tx() as c:
-            yield c
+        # One connection: a read under the lock sees every committed write.
+        with self._lock:
+            yield self._conn
 
     def _x(self, c: Any, sql: str, args: tuple | list = ()) -> Any:
         return c.execute(self._q(sql), args)

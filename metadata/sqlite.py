@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
 
 from metadata.sqlbase import SqlEngine
 
@@ -59,32 +56,11 @@ class SqliteEngine(SqlEngine):
     def _ddl(self) -> list[str]:
         return SCHEMA
 
-    @contextmanager
-    def _tx(self) -> Iterator[Any]:
-        with self._lock:
-            if self._depth:
-                self._depth += 1
-                try:
-                    yield self._conn
-                finally:
-                    self._depth -= 1
-                return
-            self._conn.execute("BEGIN IMMEDIATE")
-            self._depth = 1
-            try:
-                yield self._conn
-            except BaseException:
-                self._depth = 0
-                self._conn.execute("ROLLBACK")
-                raise
-            self._depth = 0
-            self._conn.execute("COMMIT")
+    def _begin(self) -> None:
+        self._conn.execute("BEGIN IMMEDIATE")
 
-    @contextmanager
-    def _read(self) -> Iterator[Any]:
-        # Single connection: a read under the lock sees every committed write.
-        with self._lock:
-            yield self._conn
+    def _end(self, *, commit: bool) -> None:
+        self._conn.execute("COMMIT" if commit else "ROLLBACK")
 
     def close(self) -> None:
         with self._lock:
