@@ -13,6 +13,7 @@ import os
 import time
 
 from chunkstore.writeback import default_staging_dir, scan_staging
+from fusefs.fsck import heal_pending
 from fusefs.progress import Progress
 from fusefs.units import format_size
 
@@ -123,7 +124,18 @@ def cmd_flush(args: argparse.Namespace) -> int:
                     )
                 time.sleep(0.2)
         staged = vol.stats()["staged_chunks"]
+        healed, unhealed = heal_pending(vol)
     print(f"flushed {root}: everything staged on this host is on the object nodes")
+    if healed or unhealed:
+        # writes that met a down node went to the next one (hinted handoff): copy them back
+        print(
+            f"restored {healed} replica(s) to their placement nodes"
+            + (
+                f"; {unhealed} still pending (`ckptfs fsck --pending` when the node is back)"
+                if unhealed
+                else ""
+            )
+        )
     if staged:
         print(f"note: {staged} chunks are still staged on other hosts")
     return 0

@@ -424,7 +424,10 @@ def _orphans(vol: Volume, report: Report, rows, listings, grace: float, repair: 
 def heal_pending(vol: Volume) -> tuple[int, int]:
     """Repair only the recorded under-replicated chunks (cheap: no full listing).
 
-    Returns (repaired, still pending). Used when a node comes back.
+    Copies each missing replica back to its placement node, then deletes the hinted-handoff
+    copy the degraded write left on another node (once the placement is complete again, as
+    fsck --repair would). Returns (replicas restored, still pending). Used when a node comes
+    back: by `ckptfs flush` and `ckptfs fsck --pending`.
     """
     pending = vol.meta.under_replicated()
     by_name = {n.name: n for n in vol.store.nodes}
@@ -442,15 +445,33 @@ def heal_pending(vol: Volume) -> tuple[int, int]:
                 break
             except (NodeError, codec.ChunkFormatError):
                 continue
+        whole = True
         for name in names:
             node = by_name.get(name)
             if node is None or blob is None:
                 left += 1
+                whole = False
                 continue
             try:
                 node.put(cid, blob)
                 done.append((cid, name))
             except NodeError:
                 left += 1
+                whole = False
+        if whole:
+            _drop_handoff_copies(vol, cid)
     vol.meta.clear_under_replicated(done)
     return len(done), left
+
+
+def _drop_handoff_copies(vol: Volume, cid: bytes) -> None:
+    """Delete copies off the chunk's placement (best effort: fsck --repair finds the rest)."""
+    home = {n.name for n in vol.store.placement(cid)}
+    for node in vol.store.nodes:
+        if node.name in home:
+            continue
+        try:
+            if node.exists(cid):
+                node.delete(cid)
+        except NodeError:
+            pass

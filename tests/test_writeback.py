@@ -393,6 +393,43 @@ def test_status_and_flush_commands(vol_path, tmp_path, capsys):
     assert "no staging directory" in capsys.readouterr().err
 
 
+def test_flush_restores_replicas_written_around_a_down_node(vol_path, tmp_path, capsys):
+    """Uploads that meet a down node go to the next one (hinted handoff); once the node is
+    back, `ckptfs flush` copies them to their placement and fsck finds the volume whole."""
+    from chunkstore.store import ChunkStore
+    from tests.fixtures.throttle import Bandwidth, ThrottledNode
+
+    staging = str(tmp_path / "staging")
+    vol = Volume.open(vol_path)
+    n0 = Bandwidth(None)
+    old = vol.store
+    vol.store = ChunkStore(
+        [ThrottledNode(old.nodes[0], n0), *old.nodes[1:]], old.replicas, old.seed
+    )
+    vol.store.on_under_replicated = old.on_under_replicated
+    old.close()
+    vol.attach_tier(staging)
+    data = _data(16 * MiB, 11)  # 16 chunks over 4 nodes, R=2: some land on n0
+    try:
+        n0.down = True
+        vol.write_file("/h", data)
+        vol.tier.flush(timeout=60)
+        lacking = vol.meta.under_replicated()
+        assert lacking and all(set(names) == {"n0"} for names in lacking.values()), lacking
+    finally:
+        vol.close()
+    assert cli_main(["fsck", vol_path]) == 1  # written around n0: replicas missing there
+    assert "missing_replica" in capsys.readouterr().out
+    n0.down = False  # (the CLI opens the plain nodes: n0 is back)
+    assert cli_main(["flush", vol_path, "--staging", staging, "--timeout", "60"]) == 0
+    assert f"restored {len(lacking)} replica(s)" in capsys.readouterr().out
+    rc = cli_main(["fsck", vol_path])
+    assert rc == 0, capsys.readouterr()
+    with Volume.open(vol_path) as v:
+        assert v.meta.under_replicated() == {}
+        assert v.read_file("/h") == data
+
+
 # -- foreground first: yielding uploader, batched fsyncs, upload-time compression -------------
 
 
