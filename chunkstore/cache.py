@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import mmap
 import os
 import threading
 import time
@@ -28,24 +29,44 @@ log = logging.getLogger("ckptfs.cache")
 STRIPES = 4096
 
 
-def read_object(path: str, fast: bool = False) -> bytes:
+MAP_MIN = 256 * 1024  # raw objects at least this big are mapped, not read
+
+
+def read_object(path: str, fast: bool = False) -> bytes | memoryview:
     """Read and decode the chunk object at `path` (FileNotFoundError, ChunkFormatError).
 
     fast=True is for callers that check the chunk id of what they get (every read path here
-    does): a raw (uncompressed) object's payload is read on its own, past the header, into a
-    bytes object of exactly the chunk (no copy, and torch.load can read it in place), and
-    its payload checksum is skipped, since the id check hashes the very same bytes."""
+    does): a raw (uncompressed) object's payload is returned as a read-only view of the file
+    mapped into memory (MAP_POPULATE: its page-cache pages, no copy, no fresh allocation to
+    fault in), so a DCP load copies each byte once, into its tensor. Profiled: 8 ranks each
+    reading 4 MiB objects with read() spent most of the load in the copy and in faulting in
+    the new buffers. Mapping is safe here because objects are immutable once renamed into
+    place (tmp + rename; eviction unlinks, which leaves a mapping valid), so the file never
+    shrinks under the view. The payload checksum is skipped: the id check hashes the very
+    same bytes. Small or compressed objects are read and decoded as before."""
     with open(path, "rb") as f:
         if not fast:
             return codec.decode(f.read())
-        head = f.read(codec.HEADER)
+        size = os.fstat(f.fileno()).st_size
+        if size < codec.HEADER + MAP_MIN:
+            head = f.read(codec.HEADER)
+        else:
+            m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+            head = m[: codec.HEADER]
         version, name, raw_len = codec.header_info(head)
         if name != "none" or version != codec.VERSION:
-            return codec.decode(head + f.read())
-        raw = f.read()
-    if len(raw) != raw_len:
-        raise codec.ChunkFormatError(f"raw payload is {len(raw)} bytes, header says {raw_len}")
-    return raw
+            f.seek(0)
+            return codec.decode(f.read())
+        if size != codec.HEADER + raw_len:
+            raise codec.ChunkFormatError(
+                f"raw payload is {size - codec.HEADER} bytes, header says {raw_len}"
+            )
+        if size < codec.HEADER + MAP_MIN:
+            return f.read()
+    return memoryview(m)[codec.HEADER :]
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class ChunkCache:
