@@ -902,9 +902,13 @@ class CkptfsReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, io.BytesIO(stream.read(-1)))
             return
-        if not stream.seekable():
-            stream = io.BytesIO(stream.read(-1))
-        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        tensor = None
+        if not md.transform_descriptors and isinstance(data, memoryview) and not data.readonly:
+            tensor = _load_in_place(data)
+        if tensor is None:
+            if not stream.seekable():
+                stream = io.BytesIO(stream.read(-1))
+            tensor = torch.load(stream, map_location="cpu", weights_only=True)
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
@@ -914,6 +918,24 @@ class CkptfsReader(StorageReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def _load_in_place(view: memoryview) -> torch.Tensor | None:
+    """torch.load of a torch.save'd tensor whose storage *is* `view` (no copy): the item's
+    one copy is then `target.copy_` straight from the mapped cache file, where torch.load
+    would first copy every byte into a new storage. This is what torch.load(mmap=True) does
+    for a file path, through the same loader (the weights-only unpickler, so the safety is
+    the same); it is private API of the pinned torch, so any surprise falls back (None)."""
+    try:
+        from torch import _weights_only_unpickler
+        from torch.serialization import _load, _open_zipfile_reader
+
+        with _open_zipfile_reader(_ViewReader(view)) as zf:
+            storage = torch.frombuffer(view, dtype=torch.uint8).untyped_storage()
+            out = _load(zf, "cpu", _weights_only_unpickler, overall_storage=storage)
+    except (ImportError, AttributeError, TypeError, RuntimeError, ValueError):
+        return None
+    return out if isinstance(out, torch.Tensor) else None
 
 
 class _ViewReader(io.RawIOBase):

@@ -349,3 +349,38 @@ def test_save_and_load_through_the_write_behind_tier(volume, tmp_path):
     with pytest.raises(ValueError):
         CkptfsWriter(vol, "tier/step-2", staging=staging, durability="sometimes")
     close_volumes()
+
+
+def test_mapped_cache_object_loads_in_place(tmp_path):
+    """The load fast path: a raw cached object is mapped (not read) and the tensor's storage
+    is the mapping itself, so the item's only copy is into the target; anything else (small,
+    compressed, torn) takes the ordinary path or fails with a format error."""
+    import ctypes
+    import io
+
+    from chunkstore import codec
+    from chunkstore.cache import MAP_MIN, read_object
+    from fusefs.dcp import _load_in_place
+
+    t = torch.randn(MAP_MIN // 2)  # 2x MAP_MIN bytes of float32
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    path = tmp_path / "obj"
+    path.write_bytes(codec.encode(buf.getvalue(), "none"))
+    view = read_object(str(path), fast=True)
+    assert isinstance(view, memoryview) and not view.readonly
+    assert bytes(view) == buf.getvalue()
+    out = _load_in_place(view)
+    assert out is not None and torch.equal(out, t)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    assert base <= out.data_ptr() < base + len(view)  # no copy was made
+    # compressed and small objects: plain bytes, decoded and checked as before
+    path.write_bytes(codec.encode(buf.getvalue(), "zstd"))
+    assert read_object(str(path), fast=True) == buf.getvalue()
+    path.write_bytes(codec.encode(b"tiny", "none"))
+    assert read_object(str(path), fast=True) == b"tiny"
+    # a torn raw object is a format error, never a short view
+    whole = codec.encode(buf.getvalue(), "none")
+    path.write_bytes(whole[:-5])
+    with pytest.raises(codec.ChunkFormatError):
+        read_object(str(path), fast=True)
