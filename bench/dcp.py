@@ -5,7 +5,8 @@ Prints one JSON object. All three backends run in the same process group, one af
 the other, on the same disk: FileSystemWriter to a local directory (the baseline),
 FileSystemWriter into a `ckptfs mount` of a second volume, and CkptfsWriter. Then step 2
 with 90% of the tensors unchanged. Ratios are against the baseline of this run.
-Loads read what was just written (page cache warm for every backend alike).
+Loads read what was just written (page cache warm for every backend alike). Every timed
+phase starts after a sync(), so no phase pays for an earlier one's dirty pages.
 CkptfsWriter saves through the host write-behind tier (durability=local, its default):
 `native_save_s` ends when every rank's chunks are fsync'd in staging and the step is
 published; `native_drain_s` (upload to the nodes, compression, R replicas) is timed after
@@ -87,6 +88,10 @@ def _worker() -> None:
         return sd
 
     def timed(fn) -> float:
+        # Every phase starts with no dirty data of an earlier phase left to write back: the
+        # baseline runs first on a quiet disk, so the later phases get the same start.
+        if rank == 0:
+            os.sync()
         dist.barrier()
         t0 = time.perf_counter()
         fn()
