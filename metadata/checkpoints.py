@@ -271,12 +271,13 @@ class CheckpointMixin:
     _ckpt_ready = False
 
     def _ckpt_tx(self):
+        """A durable write transaction: checkpoint outcomes are acknowledged to ranks."""
         if not self._ckpt_ready:
             with self._tx() as c:
                 for stmt in self._ckpt_ddl():
                     self._x(c, stmt)
             self._ckpt_ready = True
-        return self._tx()
+        return self._tx(durable=True)
 
     def _ckpt_read(self):
         if not self._ckpt_ready:
@@ -383,13 +384,13 @@ class CheckpointMixin:
         return res
 
     def commit_ranks(self, items: list[tuple]) -> list[dict | MetaError]:
-        """Group commit: many ranks' commits in one transaction.
+        """Group commit: many ranks' commits in one transaction (see `write_commits`)."""
+        return self.write_commits(self.prepare_commits(items))
 
-        The batch is written with one bulk insert per table. A conflict that
-        cannot be pinned on one rank before writing (two ranks writing the same
-        path, a file where a directory is) rolls the batch back to a savepoint
-        and redoes it rank by rank, each in its own savepoint, for exact errors.
-        """
+    def prepare_commits(self, items: list[tuple]) -> tuple[list[Any], list[tuple]]:
+        """Validate a group commit without touching the database: (outcomes so far, the
+        valid commits). Pure CPU work, so the service runs it for the next batch while
+        the previous one is being written."""
         out: list[Any] = [None] * len(items)
         todo = []
         vector = len(items) >= BATCH_CHECK_MIN
@@ -419,6 +420,18 @@ class CheckpointMixin:
                         continue
                 checked.append((*t[:7], counts[k], closed[k]))
             todo = checked
+        return out, todo
+
+    def write_commits(self, prepared: tuple[list[Any], list[tuple]]) -> list[dict | MetaError]:
+        """Write prepared commits in one durable transaction, one bulk insert per table.
+
+        A conflict that cannot be pinned on one rank before writing (two ranks
+        writing the same path, a file where a directory is) rolls the batch back
+        to a savepoint and redoes it rank by rank, each in its own savepoint, for
+        exact errors.
+        """
+        out, todo = prepared
+        out = list(out)
         if not todo:
             return out
         with self._ckpt_tx() as c:

@@ -9,9 +9,10 @@ CapacityLimiter. Three requests get special handling because thousands of
 ranks send them at the same moment:
 
 - commit_rank: appended to the batcher's queue (no task, no thread); the
-  batcher hands everything waiting to `engine.commit_ranks` in one thread
-  call and one transaction (group commit). Between batches it applies the
-  engine's pending-reference journal in small slices;
+  batcher validates everything waiting in one thread call, then hands it to
+  the writer stage, which writes it in one transaction (group commit) while
+  the next batch is validated. Between batches it applies the engine's
+  pending-reference journal in small slices;
 - manifest: built once per published step (right at publish) and encoded
   once, whole and per rank; a request for a built step is answered on the
   reader, from that encoding, with no thread hop and no database access;
@@ -224,6 +225,7 @@ class MetaService:
         self._journal_dirty = True  # a previous run may have left pending references
         self._last_request = 0.0
         self._building = 0  # manifests being built: the fan-out comes next, don't apply
+        self._writing = False  # a group commit is being written (or waits for the writer)
         self._idem: OrderedDict[bytes, _Slot] = OrderedDict()
         self._manifests: OrderedDict[tuple, _Slot] = OrderedDict()
         # (job, step) -> {rank: files} of the commits this process wrote: at publish the
@@ -418,23 +420,43 @@ class MetaService:
 
     # -- group commit ------------------------------------------------------------
     async def _batcher(self) -> None:
-        """Everything queued goes to the engine in one transaction; idle time applies the
+        """Group commit as a two-stage pipeline. This task validates the next batch
+        (`prepare_commits`: CPU only, no database) while `_commit_writer` writes the
+        previous one (`write_commits`: one transaction), so the validation of batch
+        k+1 overlaps the SQL of batch k, which runs without the GIL. Commits that
+        arrive meanwhile wait and form the next batch. Idle time applies the
         reference journal in slices, so a commit never waits behind a long apply."""
-        while True:
-            if not self._commits:
-                if self._journal_dirty:
-                    with trio.move_on_after(APPLY_IDLE):
-                        await self._commits_wake.wait()
-                    quiet = trio.current_time() - self._last_request >= APPLY_IDLE
-                    if not self._commits and quiet and not self._building:
-                        await self._apply_slice()
-                    continue
-                else:
+        send, recv = trio.open_memory_channel[tuple[list, Any]](0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._commit_writer, recv)
+            while True:
+                if not self._commits:
+                    if self._journal_dirty:
+                        with trio.move_on_after(APPLY_IDLE):
+                            await self._commits_wake.wait()
+                        quiet = trio.current_time() - self._last_request >= APPLY_IDLE
+                        if not self._commits and quiet and not (self._building or self._writing):
+                            await self._apply_slice()
+                        continue
                     await self._commits_wake.wait()
-            self._commits_wake = trio.Event()
-            batch, self._commits = self._commits[:MAX_BATCH], self._commits[MAX_BATCH:]
+                self._commits_wake = trio.Event()
+                batch, self._commits = self._commits[:MAX_BATCH], self._commits[MAX_BATCH:]
+                items = [item for item, _ in batch]
+                try:
+                    prepared = await self._run(self.engine.prepare_commits, items)
+                except Exception as e:  # noqa: BLE001 - a bug must not stop group commit
+                    log.exception("validating a group commit of %d ranks failed", len(batch))
+                    err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
+                    prepared = ([err] * len(batch), [])
+                self._writing = True  # from here until acknowledged: no journal slices
+                await send.send((batch, prepared))
+
+    async def _commit_writer(self, recv: trio.MemoryReceiveChannel) -> None:
+        """The pipeline's second stage: write a prepared batch, then answer its ranks."""
+        async for batch, prepared in recv:
+            self._writing = True
             try:
-                results = await self._run(self.engine.commit_ranks, [item for item, _ in batch])
+                results = await self._run(self.engine.write_commits, prepared)
             except Exception as e:
                 log.exception("group commit of %d ranks failed", len(batch))
                 err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
@@ -457,6 +479,7 @@ class MetaService:
                             self._terminal[key] = res
                             self._nursery.start_soon(self._prebuild, *key)
                     slot.set(res)
+            self._writing = False
             if changed:
                 self._notify()
 

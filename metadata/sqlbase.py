@@ -70,18 +70,24 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         return sql
 
     @contextmanager
-    def _tx(self) -> Iterator[Any]:
+    def _tx(self, *, durable: bool = False) -> Iterator[Any]:
         """A write transaction on the engine's one connection. Re-entrant: a nested call
-        joins the outer transaction. The subclass begins it (taking the write lock up
-        front) and ends it."""
+        joins the outer transaction (a nested durable one makes the outer durable). The
+        subclass begins it (taking the write lock up front) and ends it.
+
+        durable=True: once this returns, the commit survives a power cut, not only a
+        killed process (checkpoint outcomes are acknowledged to every rank). Engines
+        read `_want_durable` in `_begin`/`_end`; PostgreSQL commits are always durable."""
         with self._lock:
             if self._depth:
                 self._depth += 1
+                self._want_durable = self._want_durable or durable
                 try:
                     yield self._conn
                 finally:
                     self._depth -= 1
                 return
+            self._want_durable = durable
             self._begin()
             self._depth = 1
             try:
@@ -92,6 +98,8 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 raise
             self._depth = 0
             self._end(commit=True)
+
+    _want_durable = False
 
     def _begin(self) -> None:
         raise NotImplementedError

@@ -3,10 +3,17 @@
 WAL with synchronous=NORMAL survives a killed process with every committed
 transaction (the crash the write-behind tier and the mount care about); a
 power cut may lose the last few commits but never corrupts the database.
+Durable transactions (checkpoint begin/commit/publish/abort, whose outcomes
+are acknowledged to ranks) run with synchronous=FULL: the WAL is fsync'd
+before COMMIT returns, so an acknowledged publish survives a power cut too.
+They also skip the automatic WAL checkpoint: copying a group commit's tens of
+MB from the WAL into the database file is not part of its latency, and the
+next ordinary write (in the service, the idle journal apply) does it.
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 
@@ -41,6 +48,10 @@ SCHEMA = [
 ]
 
 
+WAL_AUTOCHECKPOINT = 1000  # pages: SQLite's default, for ordinary transactions
+WAL_DEFER_MAX = 512 << 20  # a durable commit defers the WAL copy up to this WAL size
+
+
 class SqliteEngine(SqlEngine):
     def __init__(self, path: str) -> None:
         self.path = path
@@ -52,15 +63,49 @@ class SqliteEngine(SqlEngine):
         self._conn.execute("PRAGMA foreign_keys=OFF")
         self._lock = threading.RLock()
         self._depth = 0
+        self._full = False  # this transaction began with synchronous=FULL
 
     def _ddl(self) -> list[str]:
         return SCHEMA
 
     def _begin(self) -> None:
+        if self._want_durable:  # the safety level cannot change inside a transaction
+            self._set_durable(True)
         self._conn.execute("BEGIN IMMEDIATE")
 
     def _end(self, *, commit: bool) -> None:
-        self._conn.execute("COMMIT" if commit else "ROLLBACK")
+        try:
+            self._conn.execute("COMMIT" if commit else "ROLLBACK")
+            if commit and self._want_durable and not self._full:
+                self._sync_wal()  # a durable call nested in an ordinary transaction
+        finally:
+            if self._full:
+                self._set_durable(False)
+
+    def _set_durable(self, on: bool) -> None:
+        if on and self._wal_bytes() > WAL_DEFER_MAX:
+            on_ckpt = WAL_AUTOCHECKPOINT  # the WAL is big already: copy it now
+        else:
+            on_ckpt = 0 if on else WAL_AUTOCHECKPOINT
+        self._conn.execute(f"PRAGMA synchronous={'FULL' if on else 'NORMAL'}")
+        self._conn.execute(f"PRAGMA wal_autocheckpoint={on_ckpt}")
+        self._full = on
+
+    def _wal_bytes(self) -> int:
+        try:
+            return os.path.getsize(self.path + "-wal")
+        except OSError:
+            return 0
+
+    def _sync_wal(self) -> None:
+        try:
+            fd = os.open(self.path + "-wal", os.O_RDONLY)
+        except FileNotFoundError:
+            return  # checkpointed and removed: the database file holds the commit
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         with self._lock:
