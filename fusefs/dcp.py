@@ -120,12 +120,7 @@ def _volume(spec: str, tier: TierSpec = None) -> Volume:
             vol = Volume.open(spec, workers=_pool_size())
             if tier is not None:
                 try:
-                    vol.attach_tier(
-                        tier[0],
-                        tier[2],
-                        tier[1],
-                        transcode=_transcode_for(vol.settings.compression),
-                    )
+                    vol.attach_tier(tier[0], tier[2], tier[1])
                 except BaseException:
                     vol.close()
                     raise
@@ -521,7 +516,7 @@ class _ChunkFile:
     they are (a view of its storage), are hashed in place, and are copied once, only when
     the chunk is new, so an unchanged tensor costs a hash and a share of one query. With a
     write-behind tier, new chunks are staged raw and unsynced (`tier.put(sync=False)`):
-    compression runs at upload time (`_transcode`), the fsyncs once per rank before commit.
+    compression runs at upload time (`codec.transcoder`), the fsyncs once per rank before commit.
     """
 
     def __init__(self, vol: Volume, batch: int, inflight: int) -> None:
@@ -677,17 +672,6 @@ def _store(
         vol.store.put_encoded(cid, blob)
         state = DURABLE
     return NewChunk(cid, n, len(blob), state)
-
-
-def _transcode_for(compression: str) -> Any:
-    """The tier's upload-time codec: a chunk staged raw is compressed before it leaves."""
-
-    def transcode(blob: bytes, width: int | None) -> bytes:
-        if codec.header_info(blob)[1] != "none" or compression == "none":
-            return blob
-        return codec.encode(codec.decode(blob), compression, elem_width=width)
-
-    return transcode
 
 
 def _save_tensor(t: torch.Tensor, sink: Any) -> None:

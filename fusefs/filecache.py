@@ -478,16 +478,19 @@ class FileCache:
         tier = self.vol.tier
         if getattr(tier, "durability", None) != "local" or not hasattr(tier, "sync_staged"):
             return self.vol.store_chunk(cid, data)
-        blob = codec.encode(data, self.vol.settings.compression)
-        state = tier.put(cid, blob, sync=False)
+        # Staged raw, written with writev (no copy of the payload, no zstd probe on the
+        # write path): the tier compresses it on its way to the nodes (codec.transcoder).
+        parts = codec.raw_parts([data])
+        stored = len(data) + codec.HEADER
+        state = tier.put(cid, parts, sync=False)
         with self._unsynced_lock:
             if cid not in self._unsynced:
-                self._unsynced[cid] = len(blob)
-                self._unsynced_bytes += len(blob)
+                self._unsynced[cid] = stored
+                self._unsynced_bytes += stored
             full = self._unsynced_bytes > self._unsynced_cap(tier)
         if full:
             self._sync()
-        return NewChunk(cid, len(data), len(blob), state)
+        return NewChunk(cid, len(data), stored, state)
 
     def _unsynced_cap(self, tier) -> int:
         """Unacknowledged bytes allowed: a quarter of the staging budget, at most unsynced_max."""

@@ -255,6 +255,8 @@ class Volume:
                 meta.mark_durable([i for i, _ in hit], sizes if any(sizes) else None)
             return [i for i in ids if i not in known]
 
+        # Writers stage chunks raw; compression happens at upload (codec.transcoder).
+        kw.setdefault("transcode", codec.transcoder(self.settings.compression))
         try:
             self.tier = WriteBehindTier(
                 self.store,
