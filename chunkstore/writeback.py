@@ -504,8 +504,11 @@ class WriteBehindTier:
                     os.close(fd)
 
             paths = [tmp for _, (tmp, _) in batch]
-            with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
-                list(ex.map(fsync_one, paths))
+            if len(paths) == 1:  # a small file's close: no pool to start for one fsync
+                fsync_one(paths[0])
+            else:
+                with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
+                    list(ex.map(fsync_one, paths))
             for cid, (tmp, _) in batch:
                 os.rename(tmp, os.path.join(self.staged_dir, cid.hex()))
             fsync_dir(self.staged_dir)
