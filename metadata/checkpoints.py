@@ -22,6 +22,7 @@ import errno
 import os
 import stat
 import struct
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -106,20 +107,32 @@ def pack_files(files: list[dict]) -> list[dict]:
 
 def split_rel(path: str | bytes, what: str = "path") -> list[bytes]:
     """A path relative to its checkpoint: no absolute paths, '..', NUL or bad names."""
-    raw = os.fsencode(path) if isinstance(path, str) else path
+    return _split_rel(path, what)[1]
+
+
+def _split_rel(path: Any, what: str = "path") -> tuple[bytes, list[bytes]]:
+    """split_rel's checks; (the path's bytes, its parts). The bytes are the parts joined:
+    a path is rejected, never rewritten."""
+    raw = path.encode(_FSENC, _FSERR) if type(path) is str else path
     if not isinstance(raw, bytes) or not raw:
-        raise MetaError(errno.EINVAL, f"{what} must be a non-empty string")
+        if isinstance(path, str):
+            raw = os.fsencode(path)  # a str subclass: encode it the standard way
+        if not isinstance(raw, bytes) or not raw:
+            raise MetaError(errno.EINVAL, f"{what} must be a non-empty string")
     if len(raw) > PATH_MAX:
         raise MetaError(errno.ENAMETOOLONG, f"{what} longer than {PATH_MAX} bytes")
-    if raw.startswith(b"/") or b"\0" in raw:
+    if raw[0] == 47 or b"\0" in raw:  # 47: "/"
         raise MetaError(errno.EINVAL, f"{what} {raw[:80]!r} must be relative, without NUL")
     parts = raw.split(b"/")
     # check_name's rules, checked for all parts at once (16k paths per 4096-rank step)
     if b"" in parts or b"." in parts or b".." in parts:
         raise MetaError(errno.EINVAL, f"{what} {raw[:80]!r} escapes or is not normalized")
-    if max(map(len, parts)) > NAME_MAX:
+    if len(raw) > NAME_MAX and max(map(len, parts)) > NAME_MAX:
         raise MetaError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes in {what}")
-    return parts
+    return raw, parts
+
+
+_FSENC, _FSERR = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
 def _check_job(job: Any) -> str:
@@ -161,42 +174,43 @@ def _norm_files(
     ):
         files = pack_files(files)
     for f in files:
-        parts = split_rel(f.get("path", b""))
-        path = b"/".join(parts)
+        path, parts = _split_rel(f.get("path", b""))
         if path in seen:
             raise MetaError(errno.EINVAL, f"file {path!r} listed twice")
         seen.add(path)
-        size = _check_int(f.get("size"), "size")
-        try:
-            blob, chk_blob = f.get("extents", b""), f.get("new_chunks", b"")
+        size = f.get("size")
+        if type(size) is not int or not 0 <= size < 2**62:
+            size = _check_int(size, "size")
+        blob, chk_blob = f.get("extents", b""), f.get("new_chunks", b"")
+        if type(blob) is not bytes or type(chk_blob) is not bytes:
             if not isinstance(blob, bytes | bytearray) or not isinstance(
                 chk_blob, bytes | bytearray
             ):
-                raise TypeError
+                raise MetaError(errno.EINVAL, f"{path!r}: extents/new_chunks are not packed lists")
             blob, chk_blob = bytes(blob), bytes(chk_blob)
-            ext = EXT.iter_unpack(blob)
-            chk = CHK.iter_unpack(chk_blob)
-        except (struct.error, TypeError, ValueError):
-            raise MetaError(
-                errno.EINVAL, f"{path!r}: extents/new_chunks are not packed lists"
-            ) from None
+        if len(blob) % EXT.size or len(chk_blob) % CHK.size:
+            raise MetaError(errno.EINVAL, f"{path!r}: extents/new_chunks are not packed lists")
         if not check:
             out.append((path, parts, size, blob, chk_blob))
             continue
         end = 0
-        for off, n, _coff, _ in ext:
+        for off, n, _coff, _ in EXT.iter_unpack(blob):
             if n <= 0 or off < end:
                 raise MetaError(errno.EINVAL, f"{path!r}: bad extent list at offset {off}")
             end = off + n
         if end > size:
             raise MetaError(errno.EINVAL, f"{path!r}: extents end at {end}, past size {size}")
-        for _cid, raw_len, stored_len, st in chk:
+        for _cid, raw_len, stored_len, st in CHK.iter_unpack(chk_blob):
             if raw_len <= 0 or stored_len <= 0 or st > DURABLE:
                 raise MetaError(errno.EINVAL, f"{path!r}: bad new chunk record")
             new_bytes += raw_len
         out.append((path, parts, size, blob, chk_blob))
-    out.sort(key=lambda t: t[0])
+    out.sort(key=_first)
     return out, new_bytes
+
+
+def _first(t: tuple) -> Any:
+    return t[0]
 
 
 _EXT_DT = np.dtype([("off", "<u8"), ("len", "<u8"), ("coff", "<u8"), ("id", "V16")])
@@ -254,6 +268,20 @@ def _batch_check(todo: list[tuple]) -> tuple[set[int], list[int], list[bool]]:
     for i in np.flatnonzero(~same).tolist():
         closed[files[i][0]] = False
     return {files[i][0] for i in np.flatnonzero(bad).tolist()}, new_bytes, closed
+
+
+def _rank_parts(files: list) -> tuple[int, bytes, bytes, bytes, set[tuple[bytes, ...]]]:
+    """What the write of a rank's row needs, computed before the write lock: total
+    size, paths (NUL-separated), new chunks and extents (the journal's blobs), and
+    the directory prefixes its files need."""
+    dirs = {tuple(f[1][:k]) for f in files if len(f[1]) > 1 for k in range(1, len(f[1]))}
+    return (
+        sum(f[2] for f in files),
+        b"\0".join(f[0] for f in files),
+        b"".join(f[4] for f in files),
+        b"".join(f[3] for f in files),
+        dirs,
+    )
 
 
 def _digest(files: list) -> bytes:
@@ -420,7 +448,7 @@ class CheckpointMixin:
                         continue
                 checked.append((*t[:7], counts[k], closed[k]))
             todo = checked
-        return out, todo
+        return out, [(*t, _rank_parts(t[4])) for t in todo]
 
     def write_commits(self, prepared: tuple[list[Any], list[tuple]]) -> list[dict | MetaError]:
         """Write prepared commits in one durable transaction, one bulk insert per table.
@@ -494,7 +522,7 @@ class CheckpointMixin:
             state, world, _root = st
             prev = self._rank_digests(c, key, [t[3] for t in group if t[3] < world])
             for t in group:
-                i, job, step, rank, _files, _host, digest, _new, _closed = t
+                i, job, step, rank, _files, _host, digest, _new, _closed, _parts = t
                 if rank >= world:
                     res[i] = MetaError(
                         errno.EINVAL, f"rank {rank} out of range for world_size {world}"
@@ -592,10 +620,7 @@ class CheckpointMixin:
         for t in fresh:
             root = steps[(t[1], t[2])][2]
             resolved[(root, ())] = root
-            for f in t[4]:
-                parts = f[1]
-                for k in range(1, len(parts)):
-                    want.add((root, tuple(parts[:k])))
+            want.update((root, prefix) for prefix in t[9][4])
         for depth in range(1, 1 + max((len(p) for _, p in want), default=0)):
             by_parent: dict[int, list[tuple[int, tuple[bytes, ...]]]] = {}
             for root, prefix in want:
@@ -624,8 +649,9 @@ class CheckpointMixin:
         for t in fresh:
             root = steps[(t[1], t[2])][2]
             for f in t[4]:
-                parent = resolved[(root, tuple(f[1][:-1]))]
-                name = f[1][-1]
+                parts = f[1]
+                parent = resolved[(root, tuple(parts[:-1]))] if len(parts) > 1 else root
+                name = parts[-1]
                 key = (parent, name)
                 clash = key in used
                 if not clash and careful and parent > 0:
@@ -652,11 +678,15 @@ class CheckpointMixin:
             )
             dent_rows.append((real(parent), name, inos[k]))
         fmode = stat.S_IFREG | 0o644
-        file_ino: dict[int, int] = {}
-        for k, (parent, name, f) in enumerate(file_rows, start=len(new_dirs)):
-            ino_rows.append((inos[k], fmode, 1, 0, 0, f[2], now, now, now, 0, 1, b"", f[3]))
-            dent_rows.append((real(parent), name, inos[k]))
-            file_ino[id(f)] = inos[k]
+        first = len(new_dirs)  # file inodes follow, in `fresh` and path order
+        ino_rows.extend(
+            (inos[k], fmode, 1, 0, 0, f[2], now, now, now, 0, 1, b"", f[3])
+            for k, (_, _, f) in enumerate(file_rows, start=first)
+        )
+        dent_rows.extend(
+            (real(parent), name, inos[k])
+            for k, (parent, name, _) in enumerate(file_rows, start=first)
+        )
         self._bulk_insert(
             c,
             "inodes",
@@ -672,16 +702,15 @@ class CheckpointMixin:
             )
         rank_rows = []
         journal = []
-        for _i, job, step, rank, files, host, digest, new_bytes, _closed in fresh:
+        k = first
+        for _i, job, step, rank, files, host, digest, new_bytes, _closed, parts in fresh:
+            size, paths, chunks, refs, _ = parts
+            n = len(files)
             rank_rows.append(
-                (
-                    job, step, rank, host, now, sum(f[2] for f in files), new_bytes, len(files),
-                    digest, b"".join(INO.pack(file_ino[id(f)]) for f in files),
-                    b"\0".join(f[0] for f in files),
-                )
+                (job, step, rank, host, now, size, new_bytes, n, digest,
+                 struct.pack(f"<{n}Q", *inos[k : k + n]), paths)
             )  # fmt: skip
-            chunks = b"".join(f[4] for f in files)
-            refs = b"".join(f[3] for f in files)
+            k += n
             if refs or chunks:
                 journal.append((job, step, rank, chunks, refs))
         self._bulk_insert(

@@ -42,6 +42,7 @@ from metadata.protocol import (
 CONNECT_TIMEOUT = 5.0
 DEFAULT_RETRY = 60.0
 CALL_TIMEOUT = 600.0
+SEND_SLICE = 256 << 10  # submit_many writes this much at a time
 
 
 def _result_fix(method: str, value: Any) -> Any:
@@ -261,49 +262,63 @@ class RemoteEngine(MetaEngine):
         return self.submit_many([(method, args, kwargs)])[0]
 
     def submit_many(self, calls: list[tuple[str, tuple, dict]]) -> list[Future]:
-        """Pipeline many requests with one socket write; each behaves as `submit`.
+        """Pipeline many requests; each behaves as `submit`.
 
         For a process that speaks for many ranks at once (a coordinator, the
-        commit benchmark): one write instead of one per request.
+        commit benchmark): requests are encoded and written in slices of about
+        SEND_SLICE bytes, so the service starts on the first ones while the rest
+        are still being encoded. A request over the frame limit is not sent; its
+        future holds the E2BIG error.
         """
         if self._closed:
             raise MetaError(errno.EBADF, "client is closed")
         if self._fatal is not None:
             raise self._fatal
         futs: list[Future] = []
-        frames: list[bytes] = []
         expires = time.monotonic() + self.retry_for
         with self._send_lock:
-            with self._lock:
-                for method, args, kwargs in calls:
-                    if method == "commit_rank" and len(args) >= 4:
-                        args = (*args[:3], pack_files(args[3]), *args[4:])
-                    key = os.urandom(16) if method in MUTATING_METHODS else None
+            frames: list[bytes] = []
+            size = 0
+            for method, args, kwargs in calls:
+                if method == "commit_rank" and len(args) >= 4:
+                    args = (*args[:3], pack_files(args[3]), *args[4:])
+                key = os.urandom(16) if method in MUTATING_METHODS else None
+                fut: Future = Future()
+                futs.append(fut)
+                with self._lock:
                     rid = self._next_id
-                    fr = encode_frame([rid, method, list(args), kwargs, key])
-                    if len(fr) - 4 > self.max_frame:
-                        for f in futs:  # nothing of this call was sent
-                            f.cancel()
-                        for r in range(rid - len(futs), rid):
-                            self._pending.pop(r, None)
-                        raise MetaError(
-                            errno.E2BIG, f"{method} request over {self.max_frame} bytes"
-                        )
                     self._next_id += 1
-                    fut: Future = Future()
+                fr = encode_frame([rid, method, list(args), kwargs, key])
+                if len(fr) - 4 > self.max_frame:
+                    fut.set_exception(
+                        MetaError(errno.E2BIG, f"{method} request over {self.max_frame} bytes")
+                    )
+                    continue
+                with self._lock:
                     self._pending[rid] = _Pending(fr, fut, method, expires)
-                    futs.append(fut)
-                    frames.append(fr)
-                sock = self._sock
-            if sock is not None:
-                try:
-                    sock.sendall(b"".join(frames))
-                except OSError:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)  # wake the reader to reconnect
-                    except OSError:
-                        pass
+                frames.append(fr)
+                size += len(fr)
+                if size >= SEND_SLICE:
+                    self._send(frames)
+                    frames, size = [], 0
+            if frames:
+                self._send(frames)
         return futs
+
+    def _send(self, frames: list[bytes]) -> None:
+        """Write frames whose requests are registered (the caller holds _send_lock). A
+        failed write wakes the reader, which reconnects and resends what is pending."""
+        with self._lock:
+            sock = self._sock
+        if sock is None:
+            return  # the reader is reconnecting; it resends everything pending
+        try:
+            sock.sendall(b"".join(frames))
+        except OSError:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         timeout = CALL_TIMEOUT

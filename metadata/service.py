@@ -27,6 +27,7 @@ idempotent by content, which survives a restart).
 from __future__ import annotations
 
 import errno
+import gc
 import hmac
 import logging
 import os
@@ -62,6 +63,7 @@ IDEM_KEEP = 200_000
 MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
+GC_GEN0 = 50_000  # allocations between young-generation collections (default 700)
 
 
 def absolute_config(config: dict, base_dir: str | None) -> dict:
@@ -244,6 +246,12 @@ class MetaService:
     async def serve(
         self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
     ) -> None:
+        # A group commit holds ~10 live containers per rank (decoded requests, rows):
+        # with the default thresholds the cyclic GC rescans them every ~700 allocations,
+        # ~30% of the CPU of a 4096-rank commit. Nothing here relies on prompt cycle
+        # collection, so collect less often, and never rescan what existed at startup.
+        gc.freeze()
+        gc.set_threshold(GC_GEN0, 20, 20)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             listeners = await trio.open_tcp_listeners(port, host=host)
