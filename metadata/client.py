@@ -265,11 +265,29 @@ class RemoteEngine(MetaEngine):
         """Pipeline many requests; each behaves as `submit`.
 
         For a process that speaks for many ranks at once (a coordinator, the
-        commit benchmark): requests are encoded and written in slices of about
-        SEND_SLICE bytes, so the service starts on the first ones while the rest
-        are still being encoded. A request over the frame limit is not sent; its
+        commit benchmark). A request over the frame limit is not sent; its
         future holds the E2BIG error.
         """
+        return self.submit_encoded(self.encode_many(calls))
+
+    def encode_many(self, calls: list[tuple[str, tuple, dict]]) -> list[tuple]:
+        """Encode requests now (ids and idempotency keys assigned) to send later with
+        `submit_encoded`: a process speaking for many ranks can pay the encoding
+        before the moment they all send."""
+        out: list[tuple] = []
+        for method, args, kwargs in calls:
+            if method == "commit_rank" and len(args) >= 4:
+                args = (*args[:3], pack_files(args[3]), *args[4:])
+            key = os.urandom(16) if method in MUTATING_METHODS else None
+            with self._lock:
+                rid = self._next_id
+                self._next_id += 1
+            fr = encode_frame([rid, method, list(args), kwargs, key])
+            out.append((rid, method, fr))
+        return out
+
+    def submit_encoded(self, encoded: list[tuple]) -> list[Future]:
+        """Send requests from `encode_many` (each once), pipelined in SEND_SLICE writes."""
         if self._closed:
             raise MetaError(errno.EBADF, "client is closed")
         if self._fatal is not None:
@@ -279,16 +297,9 @@ class RemoteEngine(MetaEngine):
         with self._send_lock:
             frames: list[bytes] = []
             size = 0
-            for method, args, kwargs in calls:
-                if method == "commit_rank" and len(args) >= 4:
-                    args = (*args[:3], pack_files(args[3]), *args[4:])
-                key = os.urandom(16) if method in MUTATING_METHODS else None
+            for rid, method, fr in encoded:
                 fut: Future = Future()
                 futs.append(fut)
-                with self._lock:
-                    rid = self._next_id
-                    self._next_id += 1
-                fr = encode_frame([rid, method, list(args), kwargs, key])
                 if len(fr) - 4 > self.max_frame:
                     fut.set_exception(
                         MetaError(errno.E2BIG, f"{method} request over {self.max_frame} bytes")
