@@ -480,19 +480,19 @@ class FileCache:
         tier = self.vol.tier
         if getattr(tier, "durability", None) != "local" or not hasattr(tier, "sync_staged"):
             return self.vol.store_chunk(cid, data)
-        # Staged raw, written with writev (no copy of the payload, no zstd probe on the
-        # write path): the tier compresses it on its way to the nodes (codec.transcoder).
-        parts = codec.raw_parts([data])
-        stored = len(data) + codec.HEADER
-        state = tier.put(cid, parts, sync=False)
+        # Encoded here, not staged raw for the uploader to compress as DCP does: measured on
+        # 1 GiB dd runs alternating both ways, raw staging cost the daemon more CPU
+        # (2.3-3.0 s vs 1.7-2.3 s) and ran slower (357-407 vs 429-552 MB/s).
+        blob = codec.encode(data, self.vol.settings.compression)
+        state = tier.put(cid, blob, sync=False)
         with self._unsynced_lock:
             if cid not in self._unsynced:
-                self._unsynced[cid] = stored
-                self._unsynced_bytes += stored
+                self._unsynced[cid] = len(blob)
+                self._unsynced_bytes += len(blob)
             full = self._unsynced_bytes > self._unsynced_cap(tier)
         if full:
             self._sync()
-        return NewChunk(cid, len(data), stored, state)
+        return NewChunk(cid, len(data), len(blob), state)
 
     def _unsynced_cap(self, tier) -> int:
         """Unacknowledged bytes allowed: a quarter of the staging budget, at most unsynced_max."""
