@@ -550,11 +550,13 @@ class CheckpointMixin:
             n = self._one(c, "SELECT COUNT(*) FROM ckpt_ranks WHERE job = ? AND step = ?", key)[0]
             if n == steps[key][1]:
                 self._publish(c, *key)
+        answers: dict[tuple[str, int], dict] = {}  # one object per step: encoded once
         for t in fresh:
             key = (t[1], t[2])
-            if key not in briefs:
+            if key not in answers:
                 briefs[key] = self._brief(c, *key)
-            res[t[0]] = {**briefs[key], "duplicate": False}
+                answers[key] = {**briefs[key], "duplicate": False}
+            res[t[0]] = answers[key]
         for i, key in dups.items():
             if key not in briefs:
                 briefs[key] = self._brief(c, *key)

@@ -31,6 +31,7 @@ import gc
 import hmac
 import logging
 import os
+import sys
 from collections import OrderedDict
 from functools import partial
 from typing import Any
@@ -64,6 +65,7 @@ MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
 GC_GEN0 = 50_000  # allocations between young-generation collections (default 700)
+SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits
 
 
 def absolute_config(config: dict, base_dir: str | None) -> dict:
@@ -252,6 +254,10 @@ class MetaService:
         # collection, so collect less often, and never rescan what existed at startup.
         gc.freeze()
         gc.set_threshold(GC_GEN0, 20, 20)
+        # The group-commit writer gives up the GIL for each SQL statement, beside a
+        # CPU-bound validation thread and the loop: a shorter switch interval bounds
+        # its wait to take the GIL back (default 5 ms).
+        sys.setswitchinterval(SWITCH_INTERVAL)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             listeners = await trio.open_tcp_listeners(port, host=host)
@@ -473,6 +479,7 @@ class MetaService:
             self.stats["batches"] += 1
             self.stats["batched_commits"] += len(batch)
             changed = False
+            encoded: dict[int, msgspec.Raw] = {}  # ranks of a step share one answer object
             for (item, slot), res in zip(batch, results, strict=True):
                 if isinstance(res, MetaError):
                     slot.set(error=res)
@@ -486,7 +493,10 @@ class MetaService:
                             self._forget_job(key[0])  # retention may have deleted old steps
                             self._terminal[key] = res
                             self._nursery.start_soon(self._prebuild, *key)
-                    slot.set(res)
+                    raw = encoded.get(id(res))
+                    if raw is None:
+                        raw = encoded[id(res)] = msgspec.Raw(encode(res))
+                    slot.set(raw)
             self._writing = False
             if changed:
                 self._notify()
