@@ -63,33 +63,29 @@ class SqliteEngine(SqlEngine):
         self._conn.execute("PRAGMA foreign_keys=OFF")
         self._lock = threading.RLock()
         self._depth = 0
-        self._full = False  # this transaction began with synchronous=FULL
+        self._full = False  # the connection is at synchronous=FULL
+        self._deferring = False  # automatic WAL checkpoints are off
 
     def _ddl(self) -> list[str]:
         return SCHEMA
 
     def _begin(self) -> None:
-        if self._want_durable:  # the safety level cannot change inside a transaction
-            self._set_durable(True)
+        # The safety level cannot change inside a transaction: set it before BEGIN.
+        want = self._want_durable
+        defer = want and self._wal_bytes() <= WAL_DEFER_MAX
+        if want != self._full:
+            self._conn.execute(f"PRAGMA synchronous={'FULL' if want else 'NORMAL'}")
+            self._full = want
+        if defer != self._deferring:
+            auto = 0 if defer else WAL_AUTOCHECKPOINT
+            self._conn.execute(f"PRAGMA wal_autocheckpoint={auto}")
+            self._deferring = defer
         self._conn.execute("BEGIN IMMEDIATE")
 
     def _end(self, *, commit: bool) -> None:
-        try:
-            self._conn.execute("COMMIT" if commit else "ROLLBACK")
-            if commit and self._want_durable and not self._full:
-                self._sync_wal()  # a durable call nested in an ordinary transaction
-        finally:
-            if self._full:
-                self._set_durable(False)
-
-    def _set_durable(self, on: bool) -> None:
-        if on and self._wal_bytes() > WAL_DEFER_MAX:
-            on_ckpt = WAL_AUTOCHECKPOINT  # the WAL is big already: copy it now
-        else:
-            on_ckpt = 0 if on else WAL_AUTOCHECKPOINT
-        self._conn.execute(f"PRAGMA synchronous={'FULL' if on else 'NORMAL'}")
-        self._conn.execute(f"PRAGMA wal_autocheckpoint={on_ckpt}")
-        self._full = on
+        self._conn.execute("COMMIT" if commit else "ROLLBACK")
+        if commit and self._want_durable and not self._full:
+            self._sync_wal()  # a durable call nested in an ordinary transaction
 
     def _wal_bytes(self) -> int:
         try:

@@ -190,6 +190,30 @@ def test_latest_durable_follows_mark_durable(volume):
     assert m.latest_durable("d") == 2
 
 
+def test_checkpoint_commits_are_fsynced_ordinary_writes_are_not(volume):
+    """An acknowledged publish must survive a power cut: SQLite runs checkpoint
+    transactions at synchronous=FULL (WAL fsync'd at COMMIT), ordinary ones at NORMAL."""
+    m = volume.meta
+    if not hasattr(m, "_conn") or not hasattr(m._conn, "set_trace_callback"):
+        pytest.skip("SQLite engine only")
+    stmts: list[str] = []
+    m._conn.set_trace_callback(stmts.append)
+
+    def level_at_last_begin() -> str:
+        begin = max(i for i, s in enumerate(stmts) if s.startswith("BEGIN"))
+        return [s for s in stmts[:begin] if s.startswith("PRAGMA synchronous")][-1]
+
+    try:
+        m.begin("f", 1, 1)
+        assert level_at_last_begin() == "PRAGMA synchronous=FULL"
+        m.create(1, b"plain", 0o100644, 0, 0)
+        assert level_at_last_begin() == "PRAGMA synchronous=NORMAL"
+        assert m.commit_rank("f", 1, 0, rank_files(0))["state"] == "published"
+        assert level_at_last_begin() == "PRAGMA synchronous=FULL"
+    finally:
+        m._conn.set_trace_callback(None)
+
+
 def test_stragglers_flagged_in_timeline(volume):
     m = volume.meta
     m.begin("s", 1, 6)
