@@ -57,7 +57,7 @@ log = logging.getLogger("ckptfs.meta")
 
 HANDSHAKE_TIMEOUT = 10.0
 MAX_INFLIGHT_PER_CONN = 4096
-MAX_BATCH = 4096
+MAX_BATCH = 1024  # ranks per group commit: validation of the next one overlaps its write
 APPLY_IDLE = 0.05  # no request for this long: apply a slice of the reference journal
 APPLY_SLICE = 32  # journal entries (rank commits) per slice: ~10-50 ms of engine time
 IDEM_KEEP = 200_000
