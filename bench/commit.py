@@ -3,7 +3,9 @@
 N simulated ranks are spread over worker processes, each process with its
 own connection pipelining its ranks' requests. At one barrier every rank
 sends commit_rank (4 files x 16 extents, every extent a new chunk); then
-every rank fetches its manifest at once. Prints one JSON object per engine:
+every rank fetches its manifest at once. Requests are encoded before the
+barrier, as each rank of a real job encodes its own on its own host. Prints
+one JSON object per engine:
 
   publish_ms          first commit sent -> step visible (wait_published)
   p50_ms/p99_ms/max_ms per-rank commit latency (send -> answer)
