@@ -298,14 +298,14 @@ class CheckpointMixin:
 
     _ckpt_ready = False
 
-    def _ckpt_tx(self):
+    def _ckpt_tx(self, durable: bool | str = True):
         """A durable write transaction: checkpoint outcomes are acknowledged to ranks."""
         if not self._ckpt_ready:
             with self._tx() as c:
                 for stmt in self._ckpt_ddl():
                     self._x(c, stmt)
             self._ckpt_ready = True
-        return self._tx(durable=True)
+        return self._tx(durable=durable)
 
     def _ckpt_read(self):
         if not self._ckpt_ready:
@@ -451,7 +451,8 @@ class CheckpointMixin:
         return out, [(*t, _rank_parts(t[4])) for t in todo]
 
     def write_commits(self, prepared: tuple[list[Any], list[tuple]]) -> list[dict | MetaError]:
-        """Write prepared commits in one durable transaction, one bulk insert per table.
+        """Write prepared commits in one transaction, one bulk insert per table (durable once
+        it publishes or aborts a step).
 
         A conflict that cannot be pinned on one rank before writing (two ranks
         writing the same path, a file where a directory is) rolls the batch back
@@ -462,7 +463,11 @@ class CheckpointMixin:
         out = list(out)
         if not todo:
             return out
-        with self._ckpt_tx() as c:
+        # Rank commits that only record files are acknowledged without an fsync: nothing
+        # is visible until the publish, whose fsync (below) persists every commit before
+        # it. Measured: 8 embedded DCP ranks each fsyncing their commit queued ~25 ms per
+        # rank and halved the step-2 speedup.
+        with self._ckpt_tx(durable="lazy") as c:
             self._x(c, "SAVEPOINT batch")
             try:
                 res = self._commit_group(c, todo, careful=False)
@@ -483,6 +488,8 @@ class CheckpointMixin:
                 self._apply_journal(c, None)
         for i, r in res.items():
             out[i] = r
+        if any(isinstance(r, dict) and r["state"] != "open" for r in res.values()):
+            self._durable_point()  # a publish (or an abort) is acknowledged: persist it
         # A fresh commit whose step is now published is the one that published it.
         # Retention runs after the publish is visible, never inside its transaction.
         published = {

@@ -73,18 +73,22 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         return sql
 
     @contextmanager
-    def _tx(self, *, durable: bool = False) -> Iterator[Any]:
+    def _tx(self, *, durable: bool | str = False) -> Iterator[Any]:
         """A write transaction on the engine's one connection. Re-entrant: a nested call
         joins the outer transaction (a nested durable one makes the outer durable). The
         subclass begins it (taking the write lock up front) and ends it.
 
         durable=True: once this returns, the commit survives a power cut, not only a
-        killed process (checkpoint outcomes are acknowledged to every rank). Engines
-        read `_want_durable` in `_begin`/`_end`; PostgreSQL commits are always durable."""
+        killed process (checkpoint outcomes are acknowledged to every rank).
+        durable="lazy": a checkpoint write whose caller decides after the commit whether
+        its outcome needs that (`_durable_point`): a rank commit that does not publish is
+        acknowledged without an fsync, since only the publish is visible to anyone and its
+        fsync persists every commit before it. Engines read `_want_durable` in
+        `_begin`/`_end`; PostgreSQL commits are always durable."""
         with self._lock:
             if self._depth:
                 self._depth += 1
-                self._want_durable = self._want_durable or durable
+                self._want_durable = _stronger(self._want_durable, durable)
                 try:
                     yield self._conn
                 finally:
@@ -102,7 +106,11 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             self._depth = 0
             self._end(commit=True)
 
-    _want_durable = False
+    _want_durable: bool | str = False
+
+    def _durable_point(self) -> None:
+        """Make every commit so far survive a power cut (after a durable="lazy" commit
+        whose outcome turned out to need it). PostgreSQL commits are durable already."""
 
     def _begin(self) -> None:
         raise NotImplementedError
@@ -757,3 +765,10 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
 
 
 NAME_MAX_XATTR = 255
+
+
+def _stronger(a: bool | str, b: bool | str) -> bool | str:
+    """The stronger of two durability levels: True > "lazy" > False."""
+    if a is True or b is True:
+        return True
+    return "lazy" if "lazy" in (a, b) else False

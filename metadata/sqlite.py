@@ -71,8 +71,8 @@ class SqliteEngine(SqlEngine):
 
     def _begin(self) -> None:
         # The safety level cannot change inside a transaction: set it before BEGIN.
-        want = self._want_durable
-        defer = want and self._wal_bytes() <= WAL_DEFER_MAX
+        want = self._want_durable is True  # "lazy": NORMAL, the caller syncs if it must
+        defer = bool(self._want_durable) and self._wal_bytes() <= WAL_DEFER_MAX
         if want != self._full:
             self._conn.execute(f"PRAGMA synchronous={'FULL' if want else 'NORMAL'}")
             self._full = want
@@ -84,8 +84,12 @@ class SqliteEngine(SqlEngine):
 
     def _end(self, *, commit: bool) -> None:
         self._conn.execute("COMMIT" if commit else "ROLLBACK")
-        if commit and self._want_durable and not self._full:
+        if commit and self._want_durable is True and not self._full:
             self._sync_wal()  # a durable call nested in an ordinary transaction
+
+    def _durable_point(self) -> None:
+        with self._lock:
+            self._sync_wal()
 
     def _wal_bytes(self) -> int:
         try:

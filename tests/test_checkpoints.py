@@ -192,7 +192,8 @@ def test_latest_durable_follows_mark_durable(volume):
 
 def test_checkpoint_commits_are_fsynced_ordinary_writes_are_not(volume):
     """An acknowledged publish must survive a power cut: SQLite runs checkpoint
-    transactions at synchronous=FULL (WAL fsync'd at COMMIT), ordinary ones at NORMAL."""
+    transactions at synchronous=FULL (WAL fsync'd at COMMIT) and fsyncs the WAL after a
+    rank commit that publishes; ordinary writes run at NORMAL."""
     m = volume.meta
     if not hasattr(m, "_conn") or not hasattr(m._conn, "set_trace_callback"):
         pytest.skip("SQLite engine only")
@@ -203,15 +204,24 @@ def test_checkpoint_commits_are_fsynced_ordinary_writes_are_not(volume):
         begin = max(i for i, s in enumerate(stmts) if s.startswith("BEGIN"))
         return [s for s in stmts[:begin] if s.startswith("PRAGMA synchronous")][-1]
 
+    syncs: list[int] = []
+    real_sync = m._sync_wal
+    m._sync_wal = lambda: (syncs.append(1), real_sync())
     try:
-        m.begin("f", 1, 1)
+        m.begin("f", 1, 2)
         assert level_at_last_begin() == "PRAGMA synchronous=FULL"
         m.create(1, b"plain", 0o100644, 0, 0)
         assert level_at_last_begin() == "PRAGMA synchronous=NORMAL"
-        assert m.commit_rank("f", 1, 0, rank_files(0))["state"] == "published"
-        assert level_at_last_begin() == "PRAGMA synchronous=FULL"
+        # A rank commit that does not publish: acknowledged without an fsync (nothing of
+        # it is visible until the publish, whose fsync persists it too).
+        assert m.commit_rank("f", 1, 0, rank_files(0))["state"] == "open"
+        assert level_at_last_begin() == "PRAGMA synchronous=NORMAL" and syncs == []
+        # The commit that publishes: the WAL is fsync'd before it is acknowledged.
+        assert m.commit_rank("f", 1, 1, rank_files(1))["state"] == "published"
+        assert syncs == [1]
     finally:
         m._conn.set_trace_callback(None)
+        del m._sync_wal
 
 
 def test_stragglers_flagged_in_timeline(volume):
