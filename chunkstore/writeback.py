@@ -517,11 +517,7 @@ class WriteBehindTier:
             with self._cond:
                 for cid, (_, n) in batch:
                     self._unsynced.pop(cid, None)
-                    self._reserved -= n
-                    self._own_staged += n
-                    self._pending[cid] = (n, t_ns)
-                    self._seq += 1
-                    heapq.heappush(self._queue, (t_ns, self._seq, cid))
+                    self._now_pending(cid, n, t_ns)
                 self._cond.notify_all()
             self._foreground()
             return len(batch)
@@ -606,12 +602,16 @@ class WriteBehindTier:
             self._write_failed(cid, n, e)
             raise
         with self._cond:
-            self._reserved -= n
-            self._own_staged += n
-            self._pending[cid] = (n, t_ns)
-            self._seq += 1
-            heapq.heappush(self._queue, (t_ns, self._seq, cid))
+            self._now_pending(cid, n, t_ns)
             self._cond.notify_all()
+
+    def _now_pending(self, cid: bytes, n: int, t_ns: int) -> None:
+        """A reserved chunk is staged and journaled: queue it for upload (under _cond)."""
+        self._reserved -= n
+        self._own_staged += n
+        self._pending[cid] = (n, t_ns)
+        self._seq += 1
+        heapq.heappush(self._queue, (t_ns, self._seq, cid))
 
     def _write_failed(self, cid: bytes, n: int, e: OSError) -> None:
         """Give back the space reserved for a chunk whose staging write failed."""
