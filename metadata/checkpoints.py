@@ -813,21 +813,36 @@ class CheckpointMixin:
                 self._abort(c, job, step, str(reason)[:500])
             return self._brief(c, job, step)
 
-    def _abort(self, c: Any, job: str, step: int, reason: str) -> None:
-        root = self._step(c, job, step)[2]
+    def _subtree(self, c: Any, root: int) -> tuple[list[int], Counter[int]]:
+        """The directories under `root` (itself first) and the files in them, each with the
+        number of its links inside the tree; level by level, bounded in depth."""
+        dirs = [root]
+        files: Counter[int] = Counter()
         level = [root]
-        inos = [root]
-        for _ in range(1000):  # tree depth bound
+        for _ in range(10_000):  # depth bound
             if not level:
                 break
             below: list[int] = []
             for i in range(0, len(level), 500):
                 part = level[i : i + 500]
                 marks = ",".join("?" * len(part))
-                rows = self._x(c, f"SELECT ino FROM dentries WHERE parent IN ({marks})", part)
-                below.extend(r[0] for r in rows.fetchall())
+                for ino, mode in self._x(
+                    c,
+                    "SELECT d.ino, i.mode FROM dentries d JOIN inodes i ON i.ino = d.ino "
+                    f"WHERE d.parent IN ({marks})",
+                    part,
+                ).fetchall():
+                    if stat.S_ISDIR(mode):
+                        below.append(int(ino))
+                    else:
+                        files[int(ino)] += 1
+            dirs.extend(below)
             level = below
-            inos.extend(level)
+        return dirs, files
+
+    def _abort(self, c: Any, job: str, step: int, reason: str) -> None:
+        dirs, files = self._subtree(c, self._step(c, job, step)[2])
+        inos = dirs + list(files)
         # Ranks whose references are still journalled: drop the entries (never applied).
         # The others' references were applied: take them back.
         pending = {

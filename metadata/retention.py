@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import errno
 import json
-import stat
-from collections import Counter
 from typing import Any
 
 from metadata.checkpoints import ABORTED, DELETED, OPEN, PUBLISHED, _check_int, _check_job
@@ -35,6 +33,7 @@ class RetentionMixin:
     _ckpt_read: Any
     _touch_dir: Any
     _release_extents: Any
+    _subtree: Any
 
     # -- deleting ------------------------------------------------------------
     def delete_checkpoint(self, job: str, step: int) -> dict:
@@ -65,28 +64,7 @@ class RetentionMixin:
         if links is None:
             return 0  # already removed through the namespace (rm -r on the mount)
         parent = int(links[0])
-        dirs = [root]
-        files: Counter[int] = Counter()  # inode -> links to it inside the tree
-        level = [root]
-        for _ in range(10_000):  # depth bound
-            if not level:
-                break
-            below: list[int] = []
-            for i in range(0, len(level), 500):
-                part = level[i : i + 500]
-                marks = ",".join("?" * len(part))
-                for ino, mode in self._x(
-                    c,
-                    "SELECT d.ino, i.mode FROM dentries d JOIN inodes i ON i.ino = d.ino "
-                    f"WHERE d.parent IN ({marks})",
-                    part,
-                ).fetchall():
-                    if stat.S_ISDIR(mode):
-                        below.append(int(ino))
-                    else:
-                        files[int(ino)] += 1
-            dirs.extend(below)
-            level = below
+        dirs, files = self._subtree(c, root)  # files: inode -> links to it inside the tree
         self._x(c, "DELETE FROM dentries WHERE ino = ? AND parent = ?", (root, parent))
         self._touch_dir(c, parent, -1)
         freed = 0
