@@ -98,11 +98,8 @@ def _when(ts: float | None) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    meta = open_meta(args.volume)
-    try:
+    with open_meta(args.volume) as meta:
         rows = meta.list_checkpoints(args.job)
-    finally:
-        meta.close()
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -117,11 +114,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    meta = open_meta(args.volume)
-    try:
+    with open_meta(args.volume) as meta:
         info = meta.checkpoint_info(args.job, args.step)
-    finally:
-        meta.close()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -156,24 +150,18 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
-    meta = open_meta(args.volume)
-    try:
+    with open_meta(args.volume) as meta:
         res = meta.delete_checkpoint(args.job, args.step)
-    finally:
-        meta.close()
     print(f"{args.job} step {args.step}: {res['state']} ({res['inodes_freed']} inodes freed)")
     print("chunks no other step uses are reclaimed by `ckptfs gc` after the grace period")
     return 0
 
 
 def cmd_retain(args: argparse.Namespace) -> int:
-    meta = open_meta(args.volume)
-    try:
+    with open_meta(args.volume) as meta:
         if args.policy:
             meta.set_retention(args.job, args.keep_last)
         deleted = meta.retain(args.job, args.keep_last)
-    finally:
-        meta.close()
     kept = f"keeping the newest {args.keep_last}"
     print(f"{args.job}: deleted {len(deleted)} step(s) {deleted if deleted else ''}, {kept}")
     if args.policy:

@@ -356,12 +356,6 @@ class RemoteEngine(MetaEngine):
         self._io.join(timeout=5)
         self._fail_all(MetaError(errno.EBADF, "client closed"))
 
-    def __enter__(self) -> RemoteEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _forwarder(name: str) -> Any:
     def method(self: RemoteEngine, *args: Any, **kwargs: Any) -> Any:

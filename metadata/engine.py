@@ -284,3 +284,9 @@ class MetaEngine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         pass
+
+    def __enter__(self) -> MetaEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
