@@ -50,25 +50,19 @@ def read_object(path: str, fast: bool = False) -> bytes | memoryview:
     with open(path, "rb") as f:
         if not fast:
             return codec.decode(f.read())
-        size = os.fstat(f.fileno()).st_size
-        if size < codec.HEADER + MAP_MIN:
-            head = f.read(codec.HEADER)
-        else:
-            m = mmap.mmap(
-                f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-            )
-            m.madvise(mmap.MADV_WILLNEED)
-            head = m[: codec.HEADER]
+        head = f.read(codec.HEADER)
         version, name, raw_len = codec.header_info(head)
         if name != "none" or version != codec.VERSION:
-            f.seek(0)
-            return codec.decode(f.read())
+            return codec.decode(head + f.read())
+        size = os.fstat(f.fileno()).st_size
         if size != codec.HEADER + raw_len:
             raise codec.ChunkFormatError(
                 f"raw payload is {size - codec.HEADER} bytes, header says {raw_len}"
             )
-        if size < codec.HEADER + MAP_MIN:
+        if raw_len < MAP_MIN:
             return f.read()
+        m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    m.madvise(mmap.MADV_WILLNEED)
     return memoryview(m)[codec.HEADER :]
 
 
