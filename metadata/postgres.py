@@ -96,6 +96,9 @@ class PostgresEngine(SqlEngine):
     def _ckpt_ddl(self) -> list[str]:
         return [translate_ddl(s) for s in super()._ckpt_ddl()]
 
+    def _ddl_text(self, stmt: str) -> str:
+        return translate_ddl(stmt)
+
     def _q(self, sql: str) -> str:
         out = self._qcache.get(sql)
         if out is None:

@@ -59,7 +59,7 @@ HANDSHAKE_TIMEOUT = 10.0
 MAX_INFLIGHT_PER_CONN = 4096
 MAX_BATCH = 1024  # ranks per group commit: validation of the next one overlaps its write
 APPLY_IDLE = 0.05  # no request for this long: apply a slice of the reference journal
-APPLY_SLICE = 32  # journal entries (rank commits) per slice: ~10-50 ms of engine time
+APPLY_SLICE = 1  # journal rows per slice (up to JOURNAL_GROUP = 32 rank commits): ~10-50 ms
 IDEM_KEEP = 200_000
 MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest

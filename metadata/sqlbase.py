@@ -222,19 +222,28 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             self._apply_journal(c, None)
 
     def _apply_journal(self, c: Any, limit: int | None) -> int:
-        """Register journalled new chunks and add their references, in bulk, sorted by id."""
-        sql = "SELECT id, chunks, refs FROM ref_journal ORDER BY id"
-        rows = self._x(c, sql + (" LIMIT ?" if limit else ""), (limit,) if limit else ()).fetchall()
+        """Register journalled new chunks and add their references, in bulk, sorted by id.
+
+        `SELECT *`: a volume made before the `owned` column reads the same until its
+        first checkpoint transaction adds it (`_add_journal_columns`)."""
+        sql = "SELECT * FROM ref_journal ORDER BY id"
+        cur = self._x(c, sql + (" LIMIT ?" if limit else ""), (limit,) if limit else ())
+        col = {d[0]: k for k, d in enumerate(cur.description)}
+        rows = cur.fetchall()
         if not rows:
             return 0
+        k_chunks, k_refs, k_owned = col["chunks"], col["refs"], col.get("owned")
         new: dict[bytes, tuple[int, int, int]] = {}
         refs: Counter[bytes] = Counter()
-        for _, chunks, ref in rows:
-            for cid, raw_len, stored_len, st in CHK.iter_unpack(chunks):
-                prev = new.get(cid)
-                if prev is None or st > prev[2]:
-                    new[cid] = (raw_len, stored_len, st)
-            refs.update(blob_chunk_ids(ref))
+        for row in rows:
+            owned = bytes(row[k_owned]) if k_owned is not None else b""
+            for blob in (row[k_chunks], owned):
+                for cid, raw_len, stored_len, st in CHK.iter_unpack(blob):
+                    prev = new.get(cid)
+                    if prev is None or st > prev[2]:
+                        new[cid] = (raw_len, stored_len, st)
+            refs.update(blob_chunk_ids(row[k_refs]))
+            refs.update([owned[i : i + 16] for i in range(0, len(owned), CHK.size)])
         now = _now()
         if new:
             c.executemany(
@@ -248,7 +257,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 [(cid, *new[cid][:2], refs.pop(cid, 0), new[cid][2], now) for cid in sorted(new)],
             )
         self._adjust_refs(c, refs, settle=False)
-        ids = [r[0] for r in rows]
+        ids = [r[col["id"]] for r in rows]
         self._x(c, "DELETE FROM ref_journal WHERE id >= ? AND id <= ?", (ids[0], ids[-1]))
         return len(rows)
 
@@ -266,7 +275,8 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             return int(self._one(c, "SELECT COUNT(*) FROM ref_journal")[0])
 
     def pending_refs(self) -> int:
-        """Journal entries (rank commits) whose chunk references are not applied yet."""
+        """Journal rows (each up to JOURNAL_GROUP rank commits of one step, written by
+        one group commit) whose chunk references are not applied yet."""
         with self._read() as c:
             return int(self._one(c, "SELECT COUNT(*) FROM ref_journal")[0])
 

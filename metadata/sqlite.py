@@ -36,11 +36,15 @@ SCHEMA = [
         refcount INTEGER NOT NULL, state INTEGER NOT NULL, touched INTEGER NOT NULL)
         WITHOUT ROWID""",
     # Chunk references taken by checkpoint commits, applied to `chunks` in bulk off the
-    # publish path (sqlbase.apply_pending): new chunks packed as CHK records, refs as the
-    # files' packed extents (one reference per extent).
+    # publish path (sqlbase.apply_pending). One row holds up to JOURNAL_GROUP rank commits
+    # of one step: `ranks` packed (`rank` is the first), `chunks` new chunks as CHK records
+    # (no reference), `refs` packed extents (one reference per extent), `owned` new chunks
+    # taking one reference per record: a file whose extents are exactly its new chunks is
+    # journalled once, not twice.
     """CREATE TABLE IF NOT EXISTS ref_journal (
         id INTEGER PRIMARY KEY, job TEXT NOT NULL, step INTEGER NOT NULL,
-        rank INTEGER NOT NULL, chunks BLOB NOT NULL, refs BLOB NOT NULL)""",
+        rank INTEGER NOT NULL, chunks BLOB NOT NULL, refs BLOB NOT NULL,
+        ranks BLOB NOT NULL DEFAULT x'', owned BLOB NOT NULL DEFAULT x'')""",
     "CREATE INDEX IF NOT EXISTS ref_journal_step ON ref_journal (job, step)",
     """CREATE TABLE IF NOT EXISTS xattrs (
         ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,

@@ -251,3 +251,84 @@ def test_vectorized_batch_checks_refuse_exactly_the_bad_ranks(vol):
     info = m.checkpoint_info("v", 1)
     assert info["committed"] == n - len(bad) - 1
     assert info["new_bytes"] == 30 * (n - len(bad) - 1)
+
+
+def test_grouped_journal_rows_apply_and_abort_per_rank(vol):
+    """A group commit journals up to JOURNAL_GROUP ranks per row, and a rank whose extents
+    are exactly its new chunks only once (`owned`). Applied, every refcount is the true
+    one; an abort drops the rows still pending and takes back what was applied."""
+    from metadata.checkpoints import BATCH_CHECK_MIN, JOURNAL_GROUP
+
+    m = vol.meta
+    n = max(BATCH_CHECK_MIN, JOURNAL_GROUP) + 5
+
+    def rank(step: int, r: int) -> list[dict]:
+        ids = [_cid(b"q%d-%d-%d" % (step, r, i)) for i in range(2)]
+        return _files(f"r{r}", ids, ids)
+
+    m.begin("q", 1, n)
+    m.commit_rank("q", 1, 0, _files("r0", [_cid(b"q0")], [_cid(b"q0")]))  # not closed
+    out = m.commit_ranks([("q", 1, r, rank(1, r), "h") for r in range(1, n)])
+    assert all(o["state"] for o in out[:-1]) and out[-1]["state"] == "published"
+    assert m.pending_refs() == 1 + -(-(n - 1) // JOURNAL_GROUP)
+    m.apply_pending()
+    rows = m.chunk_rows()
+    true = m.true_refcounts()
+    assert len(true) == 1 + 2 * (n - 1)
+    assert all(rows[cid].refcount == k == 1 for cid, k in true.items())
+    # abort: the grouped rows applied, a later row still pending
+    m.begin("q", 2, n + 2)
+    m.commit_ranks([("q", 2, r, rank(2, r), "h") for r in range(n)])
+    first = _cid(b"q2-0-0")
+    assert m.chunk_info([first])[first][2] == 1  # chunk_info applied everything
+    m.commit_ranks([("q", 2, n, rank(2, n), "h")])
+    assert m.pending_refs() == 1
+    m.abort("q", 2)
+    assert m.pending_refs() == 0
+    assert m.chunk_info([first])[first][2] == 0  # taken back
+    last = _cid(b"q2-%d-0" % n)
+    assert last not in m.chunk_info([last])  # never registered
+    # abort with grouped rows pending: none of their ranks' chunks is ever registered
+    m.begin("q", 3, n + 1)
+    m.commit_ranks([("q", 3, r, rank(3, r), "h") for r in range(n)])
+    assert m.pending_refs() == -(-n // JOURNAL_GROUP)
+    m.abort("q", 3)
+    ids = [_cid(b"q3-%d-%d" % (r, i)) for r in range(n) for i in range(2)]
+    assert m.pending_refs() == 0 and m.chunk_info(ids) == {}
+    rows = m.chunk_rows()
+    assert all(rows[cid].refcount == k for cid, k in m.true_refcounts().items())
+
+
+def test_journal_columns_are_added_to_an_older_volume(tmp_path):
+    """A volume made before the grouped journal: pending old-layout rows still apply, and
+    the first checkpoint transaction adds the new columns."""
+    import sqlite3
+
+    from metadata.checkpoints import CHK, EXT
+    from metadata.sqlite import SqliteEngine
+
+    v = Volume.create(str(tmp_path / "vol"), nodes=2)
+    path = v.meta.path
+    v.close()
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE ref_journal")
+    db.execute(
+        "CREATE TABLE ref_journal (id INTEGER PRIMARY KEY, job TEXT NOT NULL, step INTEGER "
+        "NOT NULL, rank INTEGER NOT NULL, chunks BLOB NOT NULL, refs BLOB NOT NULL)"
+    )
+    b = _cid(b"old-row")
+    db.execute(
+        "INSERT INTO ref_journal (job, step, rank, chunks, refs) VALUES ('x', 0, 0, ?, ?)",
+        (CHK.pack(b, 4, 4, 1), EXT.pack(0, 4, 0, b)),
+    )
+    db.commit()
+    db.close()
+    m = SqliteEngine(path)
+    assert m.chunk_info([b])[b][2] == 1  # applied before any checkpoint transaction
+    m.begin("o", 1, 1)
+    cols = [r[1] for r in m._conn.execute("PRAGMA table_info(ref_journal)")]
+    assert cols[-2:] == ["ranks", "owned"]
+    a = _cid(b"old-layout")
+    m.commit_rank("o", 1, 0, _files("f", [a, a], [a]))
+    assert m.chunk_info([a])[a][2] == 2
+    m.close()
