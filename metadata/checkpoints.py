@@ -720,31 +720,27 @@ class CheckpointMixin:
         inos = self._alloc_inos(c, len(new_dirs) + len(file_rows))
         real = lambda i: inos[-i - 1] if i < 0 else i  # noqa: E731
         nlink: Counter[int] = Counter(real(parent) for parent, _ in new_dirs)
-        ino_rows = []
+        dir_rows = []
         dent_rows = []
-        dmode = stat.S_IFDIR | 0o755
         for k, (parent, name) in enumerate(new_dirs):  # a new dir's links counted in its row
-            ino_rows.append(
-                (inos[k], dmode, 2 + nlink.pop(inos[k], 0), 0, 0, 0, now, now, now, 0, 0, b"", b"")
-            )
+            dir_rows.append((inos[k], 2 + nlink.pop(inos[k], 0)))
             dent_rows.append((real(parent), name, inos[k]))
-        fmode = stat.S_IFREG | 0o644
         first = len(new_dirs)  # file inodes follow, in `fresh` and path order
-        ino_rows.extend(
-            (inos[k], fmode, 1, 0, 0, f[2], now, now, now, 0, 1, b"", f[3])
-            for k, (_, _, f) in enumerate(file_rows, start=first)
-        )
-        dent_rows.extend(
-            (real(parent), name, inos[k])
-            for k, (parent, name, _) in enumerate(file_rows, start=first)
-        )
+        file_inos = inos[first:]
+        pairs = list(zip(file_rows, file_inos, strict=True))
+        dent_rows.extend((real(parent), name, ino) for (parent, name, _), ino in pairs)
+        # What every new inode shares is fixed; target, rdev (and a dir's extents and
+        # generation) keep their defaults.
+        same = {"uid": 0, "gid": 0, "atime": now, "mtime": now, "ctime": now}
         self._bulk_insert(
-            c,
-            "inodes",
-            "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation, target, "
-            "extents",
-            ino_rows,
-        )
+            c, "inodes", "ino, nlink", dir_rows,
+            {"mode": stat.S_IFDIR | 0o755, "size": 0, **same},
+        )  # fmt: skip
+        self._bulk_insert(
+            c, "inodes", "ino, size, extents",
+            [(ino, f[2], f[3]) for (_, _, f), ino in pairs],
+            {"mode": stat.S_IFREG | 0o644, "nlink": 1, "generation": 1, **same},
+        )  # fmt: skip
         self._bulk_insert(c, "dentries", "parent, name, ino", dent_rows)
         if nlink:  # directories that existed before this batch
             c.executemany(

@@ -84,14 +84,18 @@ class PostgresEngine(SqlEngine):
         ).fetchall()
         return [int(r[0]) for r in rows]
 
-    def _bulk_insert(self, c: Any, table: str, cols: str, rows: list[tuple]) -> None:
+    def _bulk_insert(
+        self, c: Any, table: str, cols: str, rows: list[tuple], fixed: dict[str, Any] | None = None
+    ) -> None:
         """COPY: one stream instead of a statement per row (a unique violation still
         raises, and the group commit falls back to rank-by-rank)."""
         if not rows:
             return
-        with c.conn.cursor() as cur, cur.copy(f"COPY {table} ({cols}) FROM STDIN") as cp:
+        extra = tuple((fixed or {}).values())
+        names = ", ".join([cols, *(fixed or {})])
+        with c.conn.cursor() as cur, cur.copy(f"COPY {table} ({names}) FROM STDIN") as cp:
             for row in rows:
-                cp.write_row(row)
+                cp.write_row(row + extra if extra else row)
 
     def _ckpt_ddl(self) -> list[str]:
         return [translate_ddl(s) for s in super()._ckpt_ddl()]
