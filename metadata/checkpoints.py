@@ -532,6 +532,8 @@ class CheckpointMixin:
             out[i] = r
         if any(isinstance(r, dict) and r["state"] != "open" for r in res.values()):
             self._durable_point()  # a publish (or an abort) is acknowledged: persist it
+        else:
+            self._start_writeback()  # so that fsync has less left to write
         # A fresh commit whose step is now published is the one that published it.
         # Retention runs after the publish is visible, never inside its transaction.
         published = {

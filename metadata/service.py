@@ -65,6 +65,7 @@ MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
 GC_GEN0 = 50_000  # allocations between young-generation collections (default 700)
+ANSWER_YIELDS = 3  # scheduling rounds a batch's answers wait: the next write starts first
 SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits
 
 
@@ -229,7 +230,9 @@ class MetaService:
         self._journal_dirty = True  # a previous run may have left pending references
         self._last_request = 0.0
         self._building = 0  # manifests being built: the fan-out comes next, don't apply
-        self._writing = False  # a group commit is being written (or waits for the writer)
+        self._writing = 0  # group commits handed to the writer and not yet acknowledged
+        self._acked = trio.Event()  # the last written batch is acknowledged
+        self._acked.set()
         self._idem: OrderedDict[bytes, _Slot] = OrderedDict()
         self._manifests: OrderedDict[tuple, _Slot] = OrderedDict()
         # (job, step) -> {rank: files} of the commits this process wrote: at publish the
@@ -462,44 +465,63 @@ class MetaService:
                     log.exception("validating a group commit of %d ranks failed", len(batch))
                     err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
                     prepared = ([err] * len(batch), [])
-                self._writing = True  # from here until acknowledged: no journal slices
+                self._writing += 1  # from here until acknowledged: no journal slices
                 await send.send((batch, prepared))
 
     async def _commit_writer(self, recv: trio.MemoryReceiveChannel) -> None:
-        """The pipeline's second stage: write a prepared batch, then answer its ranks."""
-        async for batch, prepared in recv:
-            self._writing = True
-            try:
-                results = await self._run(self.engine.write_commits, prepared)
-            except Exception as e:
-                log.exception("group commit of %d ranks failed", len(batch))
-                err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
-                results = [err] * len(batch)
-            self._journal_dirty = True
-            self.stats["batches"] += 1
-            self.stats["batched_commits"] += len(batch)
-            changed = False
-            encoded: dict[int, msgspec.Raw] = {}  # ranks of a step share one answer object
-            for (item, slot), res in zip(batch, results, strict=True):
-                if isinstance(res, MetaError):
-                    slot.set(error=res)
-                else:
-                    key = (res["job"], res["step"])
-                    self._remember_files(key, item, res)
-                    if res["state"] != "open" and key not in self._terminal:
+        """The pipeline's second stage: write a prepared batch, then hand the next one
+        to the thread before answering this one's ranks, so the loop answers while the
+        next batch is written (the SQL runs without the GIL). Answering 1024 ranks
+        first kept the writer idle ~15 ms per batch."""
+        async with trio.open_nursery() as answers:
+            async for batch, prepared in recv:
+                try:
+                    results = await self._run(self.engine.write_commits, prepared)
+                except Exception as e:
+                    log.exception("group commit of %d ranks failed", len(batch))
+                    err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
+                    results = [err] * len(batch)
+                self._journal_dirty = True
+                answers.start_soon(self._answer, batch, results)
+
+    async def _answer(self, batch: list, results: list) -> None:
+        """Acknowledge a written group commit: answers, terminal states, manifests; in
+        the order the batches were written."""
+        prev, done = self._acked, trio.Event()
+        self._acked = done
+        for _ in range(ANSWER_YIELDS):  # the writer takes the next batch to its thread first
+            await trio.lowlevel.checkpoint()
+        await prev.wait()
+        try:
+            self._acknowledge(batch, results)
+        finally:
+            done.set()
+
+    def _acknowledge(self, batch: list, results: list) -> None:
+        self.stats["batches"] += 1
+        self.stats["batched_commits"] += len(batch)
+        changed = False
+        encoded: dict[int, msgspec.Raw] = {}  # ranks of a step share one answer object
+        for (item, slot), res in zip(batch, results, strict=True):
+            if isinstance(res, MetaError):
+                slot.set(error=res)
+            else:
+                key = (res["job"], res["step"])
+                self._remember_files(key, item, res)
+                if res["state"] != "open" and key not in self._terminal:
+                    self._terminal[key] = res
+                    changed = True
+                    if res["state"] == "published" and self._nursery is not None:
+                        self._forget_job(key[0])  # retention may have deleted old steps
                         self._terminal[key] = res
-                        changed = True
-                        if res["state"] == "published" and self._nursery is not None:
-                            self._forget_job(key[0])  # retention may have deleted old steps
-                            self._terminal[key] = res
-                            self._nursery.start_soon(self._prebuild, *key)
-                    raw = encoded.get(id(res))
-                    if raw is None:
-                        raw = encoded[id(res)] = msgspec.Raw(encode(res))
-                    slot.set(raw)
-            self._writing = False
-            if changed:
-                self._notify()
+                        self._nursery.start_soon(self._prebuild, *key)
+                raw = encoded.get(id(res))
+                if raw is None:
+                    raw = encoded[id(res)] = msgspec.Raw(encode(res))
+                slot.set(raw)
+        self._writing -= 1
+        if changed:
+            self._notify()
 
     def _remember_files(self, key: tuple[str, int], item: tuple, res: dict) -> None:
         if res["state"] == "aborted":
