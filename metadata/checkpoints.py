@@ -230,17 +230,18 @@ def _batch_check(todo: list[tuple]) -> tuple[set[int], list[int], list[bool]]:
     each item is self-contained (every file's extents are exactly its declared
     new chunks, in order: no lookup of known chunks needed).
     """
-    files = [(k, f) for k, t in enumerate(todo) for f in t[4]]
-    new_bytes = [0] * len(todo)
-    closed = [True] * len(todo)
-    if not files:
-        return set(), new_bytes, closed
-    nf = len(files)
-    ecount = np.fromiter((len(f[3]) // EXT.size for _, f in files), np.int64, nf)
-    ccount = np.fromiter((len(f[4]) // CHK.size for _, f in files), np.int64, nf)
-    sizes = np.fromiter((f[2] for _, f in files), np.uint64, nf)
+    n = len(todo)
+    rows = [f for t in todo for f in t[4]]
+    if not rows:
+        return set(), [0] * n, [True] * n
+    nf = len(rows)
+    _, _, size_list, ext_list, chk_list = zip(*rows, strict=True)  # columns, at C speed
+    owner = np.repeat(np.arange(n), [len(t[4]) for t in todo])  # file -> item
+    ecount = np.fromiter(map(len, ext_list), np.int64, nf) // EXT.size
+    ccount = np.fromiter(map(len, chk_list), np.int64, nf) // CHK.size
+    sizes = np.fromiter(size_list, np.uint64, nf)
     bad = np.zeros(nf, bool)
-    ext = np.frombuffer(b"".join(f[3] for _, f in files), _EXT_DT)
+    ext = np.frombuffer(b"".join(ext_list), _EXT_DT)
     if len(ext):
         fidx = np.repeat(np.arange(nf), ecount)
         off, ln = ext["off"], ext["len"]
@@ -256,22 +257,23 @@ def _batch_check(todo: list[tuple]) -> tuple[set[int], list[int], list[bool]]:
         last[:-1] = fidx[:-1] != fidx[1:]
         lf = fidx[last]
         bad[lf[end[last] > sizes[lf]]] = True
-    chk = np.frombuffer(b"".join(f[4] for _, f in files), _CHK_DT)
+    chk = np.frombuffer(b"".join(chk_list), _CHK_DT)
+    new_bytes = [0] * n
     if len(chk):
         cidx = np.repeat(np.arange(nf), ccount)
         wrong = (chk["raw"] == 0) | (chk["stored"] == 0) | (chk["st"] > DURABLE)
         bad |= np.bincount(cidx, weights=wrong, minlength=nf) > 0
         per_file = np.bincount(cidx, weights=chk["raw"].astype(np.float64), minlength=nf)
-        for (k, _), b in zip(files, per_file.tolist(), strict=True):
-            new_bytes[k] += int(b)
+        per_item = np.bincount(owner, weights=per_file, minlength=n)
+        new_bytes = [int(b) for b in per_item.tolist()]
     same = ecount == ccount
     if len(ext) and len(chk) and same.any():
         em, cm = np.repeat(same, ecount), np.repeat(same, ccount)
         differ = ext["id"][em] != chk["id"][cm]  # rows of same-count files align
         same &= np.bincount(fidx[em], weights=differ, minlength=nf) == 0
-    for i in np.flatnonzero(~same).tolist():
-        closed[files[i][0]] = False
-    return {files[i][0] for i in np.flatnonzero(bad).tolist()}, new_bytes, closed
+    closed = (np.bincount(owner, weights=~same, minlength=n) == 0).tolist()
+    failed = np.flatnonzero(np.bincount(owner, weights=bad, minlength=n) > 0).tolist()
+    return set(failed), new_bytes, closed
 
 
 def _rank_parts(

@@ -78,7 +78,7 @@ class SqliteEngine(SqlEngine):
     def __init__(self, path: str) -> None:
         self.path = path
         self._conn = sqlite3.connect(
-            path, isolation_level=None, check_same_thread=False, timeout=60
+            path, isolation_level=None, check_same_thread=False, timeout=60, cached_statements=512
         )
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
