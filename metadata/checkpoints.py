@@ -699,40 +699,43 @@ class CheckpointMixin:
                         new_dirs.append((parent, name))
                         resolved[(root, prefix)] = -len(new_dirs)
                     used[(parent, name)] = True
+        # Inode numbers: the new directories', then the files' in `fresh` and path order.
+        first = len(new_dirs)
+        inos = self._alloc_inos(c, first + sum(len(t[4]) for t in fresh))
+        real = {-k - 1: ino for k, ino in enumerate(inos[:first])}  # placeholder -> ino
+        resolved = {key: real.get(v, v) for key, v in resolved.items()}
+        used = {(real.get(p, p), name): d for (p, name), d in used.items()}
+        fresh_dirs = set(inos[:first])  # no entries in the database yet
+        nlink: Counter[int] = Counter(real.get(parent, parent) for parent, _ in new_dirs)
+        dir_rows = []
+        dent_rows = []
+        for k, (parent, name) in enumerate(new_dirs):  # a new dir's links counted in its row
+            dir_rows.append((inos[k], 2 + nlink.pop(inos[k], 0)))
+            dent_rows.append((real.get(parent, parent), name, inos[k]))
         # Files: collisions inside the batch are caught here, with the database by UNIQUE.
         file_rows = []
+        k = first
         for t in fresh:
             root = steps[(t[1], t[2])][2]
-            for f in t[4]:
-                parts = f[1]
+            for path, parts, size, blob, _chunks in t[4]:
                 parent = resolved[(root, tuple(parts[:-1]))] if len(parts) > 1 else root
                 name = parts[-1]
                 key = (parent, name)
                 clash = key in used
-                if not clash and careful and parent > 0:
+                if not clash and careful and parent not in fresh_dirs:
                     clash = self._one(
                         c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", key
                     ) is not None  # fmt: skip
                 if clash:
                     if careful:
                         raise MetaError(
-                            errno.EEXIST, f"{f[0]!r} is already committed by another rank"
+                            errno.EEXIST, f"{path!r} is already committed by another rank"
                         )
-                    raise _Fallback(f[0])
+                    raise _Fallback(path)
                 used[key] = False
-                file_rows.append((parent, name, f))
-        inos = self._alloc_inos(c, len(new_dirs) + len(file_rows))
-        real = lambda i: inos[-i - 1] if i < 0 else i  # noqa: E731
-        nlink: Counter[int] = Counter(real(parent) for parent, _ in new_dirs)
-        dir_rows = []
-        dent_rows = []
-        for k, (parent, name) in enumerate(new_dirs):  # a new dir's links counted in its row
-            dir_rows.append((inos[k], 2 + nlink.pop(inos[k], 0)))
-            dent_rows.append((real(parent), name, inos[k]))
-        first = len(new_dirs)  # file inodes follow, in `fresh` and path order
-        file_inos = inos[first:]
-        pairs = list(zip(file_rows, file_inos, strict=True))
-        dent_rows.extend((real(parent), name, ino) for (parent, name, _), ino in pairs)
+                file_rows.append((inos[k], size, blob))
+                dent_rows.append((parent, name, inos[k]))
+                k += 1
         # What every new inode shares is fixed; target, rdev (and a dir's extents and
         # generation) keep their defaults.
         same = {"uid": 0, "gid": 0, "atime": now, "mtime": now, "ctime": now}
@@ -741,8 +744,7 @@ class CheckpointMixin:
             {"mode": stat.S_IFDIR | 0o755, "size": 0, **same},
         )  # fmt: skip
         self._bulk_insert(
-            c, "inodes", "ino, size, extents",
-            [(ino, f[2], f[3]) for (_, _, f), ino in pairs],
+            c, "inodes", "ino, size, extents", file_rows,
             {"mode": stat.S_IFREG | 0o644, "nlink": 1, "generation": 1, **same},
         )  # fmt: skip
         self._bulk_insert(c, "dentries", "parent, name, ino", dent_rows)
