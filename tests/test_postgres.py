@@ -332,3 +332,33 @@ def test_journal_columns_are_added_to_an_older_volume(tmp_path):
     m.commit_rank("o", 1, 0, _files("f", [a, a], [a]))
     assert m.chunk_info([a])[a][2] == 2
     m.close()
+
+
+def test_batch_path_checks_refuse_exactly_the_bad_ranks(vol):
+    """A big group commit checks all its paths at once; a batch with a bad one is checked
+    again path by path, so each bad rank gets the error it gets alone."""
+    from metadata.checkpoints import BATCH_CHECK_MIN
+
+    m = vol.meta
+    n = BATCH_CHECK_MIN + 8
+    bad = {1: "../x", 3: "/abs", 5: "a//b", 7: "a/./b", 9: "a/", 11: "", 13: "a\0b",
+           15: "x" * 300, 17: "a/" + "n" * 256, 19: "a/..", 21: b"./a"}  # fmt: skip
+    m.begin("p", 1, n)
+
+    def files(r: int, path: str | bytes) -> list[dict]:
+        cid = _cid(b"p%d" % r)
+        return [{"path": path, "size": 4, "extents": [Extent(0, 4, cid)],
+                 "new_chunks": [NewChunk(cid, 4, 4)]}]  # fmt: skip
+
+    good = m.commit_ranks([("p", 1, r, files(r, f"d{r}/f"), "h") for r in range(n) if r not in bad])
+    assert all(isinstance(g, dict) for g in good)
+    m.begin("p", 2, n)
+    out = m.commit_ranks([("p", 2, r, files(r, bad.get(r, f"d{r}/f")), "h") for r in range(n)])
+    for r, res in enumerate(out):
+        if r in bad:
+            assert isinstance(res, MetaError), (r, res)
+            with pytest.raises(MetaError) as alone:
+                m.commit_rank("p", 3 + r, 0, files(r, bad[r])) if m.begin("p", 3 + r, 1) else None
+            assert str(alone.value) == str(res) and alone.value.errno == res.errno
+        else:
+            assert isinstance(res, dict) and res["state"] == "open", (r, res)
