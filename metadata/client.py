@@ -145,7 +145,7 @@ class RemoteEngine(MetaEngine):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(encode_frame({"proto": PROTO_VERSION, "token": self._token}))
             dec = FrameDecoder(self.max_frame)
-            frames: list[bytes] = []
+            frames: list[bytes | memoryview] = []
             while not frames:
                 data = sock.recv(65536)
                 if not data:

@@ -122,35 +122,58 @@ def encode_frame(obj: Any) -> bytes:
 
 
 class FrameDecoder:
-    """Incremental frame splitter: feed bytes, get complete frame bodies back."""
+    """Incremental frame splitter: feed bytes, get complete frame bodies back.
+
+    A frame that lies whole inside one `feed` comes back as a memoryview of the
+    fed bytes, not a copy (the decoders read any buffer); only a frame split
+    across feeds is assembled in a buffer. Copying every body twice was ~5 us of
+    the service's loop per 5 KB rank commit."""
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.max_frame = max_frame
-        self._buf = bytearray()
+        self._buf = bytearray()  # the start of a frame split across feeds
 
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
+    def feed(self, data: bytes) -> list[bytes | memoryview]:
+        out: list[bytes | memoryview] = []
+        mv = memoryview(data)
+        pos, end = 0, len(mv)
         buf = self._buf
-        out: list[bytes] = []
-        pos, end = 0, len(buf)
+        if buf:  # complete the split frame first, from the front of `data`
+            if len(buf) < 4:
+                pos = min(4 - len(buf), end)
+                buf += mv[:pos]
+                if len(buf) < 4:
+                    return out
+            n = self._size(buf, 0)
+            take = min(4 + n - len(buf), end - pos)
+            buf += mv[pos : pos + take]
+            pos += take
+            if len(buf) < 4 + n:
+                return out
+            out.append(bytes(buf[4:]))
+            self._buf = bytearray()
         while end - pos >= 4:
-            (n,) = HEADER.unpack_from(buf, pos)
-            if n > self.max_frame:
-                raise ProtocolError(f"frame of {n} bytes exceeds the {self.max_frame} byte limit")
+            n = self._size(mv, pos)
             if end - pos < 4 + n:
                 break
-            out.append(bytes(buf[pos + 4 : pos + 4 + n]))
+            out.append(mv[pos + 4 : pos + 4 + n])
             pos += 4 + n
-        if pos:
-            del buf[:pos]  # once per feed: many frames per read must not cost a move each
+        if pos < end:
+            self._buf = bytearray(mv[pos:])
         return out
+
+    def _size(self, buf: bytes | bytearray | memoryview, pos: int) -> int:
+        (n,) = HEADER.unpack_from(buf, pos)
+        if n > self.max_frame:
+            raise ProtocolError(f"frame of {n} bytes exceeds the {self.max_frame} byte limit")
+        return n
 
     @property
     def pending(self) -> int:
         return len(self._buf)
 
 
-def parse_request(body: bytes) -> tuple[int, str, list, dict, bytes | None]:
+def parse_request(body: bytes | memoryview) -> tuple[int, str, list, dict, bytes | None]:
     """Validate a request's shape: (id, method, args, kwargs, idempotency key)."""
     msg = decode(body)
     if not isinstance(msg, list) or len(msg) != 5:
@@ -167,7 +190,7 @@ def parse_request(body: bytes) -> tuple[int, str, list, dict, bytes | None]:
     return rid, method, args, kwargs, key
 
 
-def parse_hello(body: bytes) -> dict:
+def parse_hello(body: bytes | memoryview) -> dict:
     msg = decode(body)
     if not isinstance(msg, dict) or not isinstance(msg.get("token"), str):
         raise ProtocolError("the first message must be a hello with a token")

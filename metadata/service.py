@@ -300,7 +300,7 @@ class MetaService:
 
     async def _session(self, stream: trio.SocketStream, peer: str) -> None:
         dec = FrameDecoder(self.max_frame)
-        frames: list[bytes] = []
+        frames: list[bytes | memoryview] = []
         with trio.move_on_after(HANDSHAKE_TIMEOUT) as scope:
             while not frames:
                 data = await stream.receive_some(65536)
