@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from chunkstore import codec
+from chunkstore.fileio import write_new
 from chunkstore.ids import chunk_id
 
 log = logging.getLogger("ckptfs.cache")
@@ -116,8 +117,7 @@ class ChunkCache:
         """Cache an encoded object (temp + rename; no fsync: reads verify). Returns bytes added."""
         tmp = os.path.join(self.tmp, f"c{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(blob)
+            write_new(tmp, blob, sync=False)
             os.rename(tmp, self.path(cid))
         except OSError as e:
             log.warning("could not cache chunk %s: %s", cid.hex(), e)

@@ -156,33 +156,32 @@ def _pick_width(samples: list[memoryview]) -> tuple[int, int]:
 # -- encode ------------------------------------------------------------------------------------
 
 
-def _pack(codec: int, width: int, raw_len: int, parts: list[bytes | memoryview]) -> bytes:
+def _pack_parts(
+    codec: int, width: int, raw_len: int, parts: list[bytes | memoryview]
+) -> list[bytes | memoryview]:
+    """The object as buffers: its header, then `parts` themselves (not copied)."""
     prefix = _HDR.pack(MAGIC, VERSION, codec, width, raw_len, 0)[:_SEEDED]
-    h = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(prefix))
-    for p in parts:
-        h.update(p)
-    return b"".join([prefix, h.intdigest().to_bytes(8, "little"), *parts])
-
-
-def raw_parts(parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
-    """encode(b"".join(parts), "none") as a list of buffers (header, then `parts` themselves),
-    for writers that write them with writev instead of copying the payload into one object."""
-    n = sum(memoryview(p).nbytes for p in parts)
-    prefix = _HDR.pack(MAGIC, VERSION, RAW, 0, n, 0)[:_SEEDED]
     h = xxhash.xxh3_64(seed=xxhash.xxh3_64_intdigest(prefix))
     for p in parts:
         h.update(p)
     return [prefix + h.intdigest().to_bytes(8, "little"), *parts]
 
 
-def encode(
+def raw_parts(parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
+    """encode(b"".join(parts), "none") as a list of buffers (header, then `parts` themselves),
+    for writers that write them out directly instead of copying the payload into one object."""
+    return _pack_parts(RAW, 0, sum(memoryview(p).nbytes for p in parts), parts)
+
+
+def encode_parts(
     raw: bytes | memoryview,
     codec: str,
     *,
     level: int = 1,
     elem_width: int | None = None,
-) -> bytes:
-    """Encode ``raw`` as a self-verifying chunk object.
+) -> list[bytes | memoryview]:
+    """Encode ``raw`` as a self-verifying chunk object, as buffers to write out in order
+    (a stored-raw payload is not copied: the last buffer is a view of ``raw``).
 
     ``codec`` is one of :data:`CODECS`; whatever is asked, the payload is stored raw when
     compression would not make it smaller. ``elem_width`` (2, 4 or 8) fixes the float grouping
@@ -218,14 +217,25 @@ def encode(
     if codec == "zstd" and n:
         packed = _compressor(level).compress(mv)
         if len(packed) < n:
-            return _pack(ZSTD, 0, n, [packed])
+            return _pack_parts(ZSTD, 0, n, [packed])
     elif codec == "float":
         width = elem_width if elem_width is not None else _pick_width(_samples(mv))[0]
         if n >= width:
             parts = _float_parts(mv, width, level)
             if sum(len(p) for p in parts) < n:
-                return _pack(FLOAT, width, n, parts)
-    return _pack(RAW, 0, n, [mv])
+                return _pack_parts(FLOAT, width, n, parts)
+    return _pack_parts(RAW, 0, n, [mv])
+
+
+def encode(
+    raw: bytes | memoryview,
+    codec: str,
+    *,
+    level: int = 1,
+    elem_width: int | None = None,
+) -> bytes:
+    """encode_parts() as one bytes object."""
+    return b"".join(encode_parts(raw, codec, level=level, elem_width=elem_width))
 
 
 # -- decode / verify ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import threading
 import uuid
 from collections.abc import Iterator
 
-from chunkstore.fileio import fsync_dir, start_writeback
+from chunkstore.fileio import fsync_dir, write_new
 from chunkstore.ids import check_id, from_hex
 from chunkstore.node import NodeError, NodeInfo, ObjectMissing, ObjectNode
 
@@ -90,18 +90,7 @@ class DirNode(ObjectNode):
                 with self._lock:
                     self._made.add(d)
             tmp = os.path.join(self._tmp, f"{cid.hex()}.{uuid.uuid4().hex[:8]}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                view = memoryview(blob)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-                if sync:
-                    os.fsync(fd)
-                else:
-                    start_writeback(fd)
-            finally:
-                os.close(fd)
+            write_new(tmp, blob, sync=sync)
             os.rename(tmp, final)
             if not sync:
                 with self._lock:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
 import os
+import threading
 from collections.abc import Callable
 
 
@@ -37,3 +41,115 @@ def start_writeback(fd: int) -> None:
     Not a durability point by itself; a no-op where unavailable."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+# -- direct writes -------------------------------------------------------------------------------
+#
+# Why objects are written with O_DIRECT: on the hosts we measured (VMs with lazily backed
+# memory), buffered writes spend most of their CPU copying into freshly allocated page-cache
+# pages: 1 GiB written as 256 files took 1.5-2.3 CPU-s and ran at 340-460 MB/s, while the same
+# bytes written with O_DIRECT from one reused aligned buffer took 0.16 CPU-s and ran at
+# 1,150-1,190 MB/s. Chunk objects are written once and read back rarely (an upload, a cache
+# hit), so the page cache buys little for them. The cost is one memcpy into the bounce buffer.
+
+ALIGN = 4096  # O_DIRECT alignment of buffer address, length and file offset
+BOUNCE = 4 * 2**20 + 64 * 1024  # a 4 MiB chunk plus its header in one write
+_bounce = threading.local()
+_no_direct: set[int] = set()  # st_dev of filesystems that refused O_DIRECT (tmpfs, ...)
+
+
+def _bounce_buffer() -> memoryview:
+    buf = getattr(_bounce, "buf", None)
+    if buf is None:
+        buf = _bounce.buf = memoryview(mmap.mmap(-1, BOUNCE))  # page aligned
+    return buf
+
+
+def _open_new(path: str, mode: int, direct: bool) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    if direct and hasattr(os, "O_DIRECT"):
+        dev = os.stat(os.path.dirname(path) or ".").st_dev
+        if dev not in _no_direct:
+            try:
+                return os.open(path, flags | os.O_DIRECT, mode), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                _no_direct.add(dev)  # this filesystem has no direct I/O: buffered from now on
+    return os.open(path, flags, mode), False
+
+
+def _write_buffered(fd: int, parts: list[memoryview]) -> None:
+    for p in parts:
+        while p:
+            p = p[os.write(fd, p) :]
+
+
+def _write_direct(fd: int, parts: list[memoryview], total: int) -> None:
+    """Copy `parts` through the aligned bounce buffer; the zero-padded tail is cut by ftruncate."""
+    bounce = _bounce_buffer()
+    fill = 0
+    written = 0
+    for p in parts:
+        while p:
+            take = min(len(p), BOUNCE - fill)
+            bounce[fill : fill + take] = p[:take]
+            fill += take
+            p = p[take:]
+            if fill == BOUNCE:
+                written += _flush_bounce(fd, bounce, fill)
+                fill = 0
+    if fill:
+        pad = -fill % ALIGN
+        bounce[fill : fill + pad] = bytes(pad)
+        written += _flush_bounce(fd, bounce, fill + pad)
+    if written != total:
+        os.ftruncate(fd, total)
+
+
+def _flush_bounce(fd: int, bounce: memoryview, n: int) -> int:
+    view = bounce[:n]
+    while view:
+        done = os.write(fd, view)
+        if done % ALIGN:  # a short, unaligned write (not seen on Linux): finish buffered
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            _write_buffered(fd, [view[done:]])
+            return n
+        view = view[done:]
+    return n
+
+
+def write_new(
+    path: str,
+    parts: bytes | memoryview | list[bytes | memoryview],
+    *,
+    sync: bool,
+    direct: bool = True,
+    mode: int = 0o600,
+) -> int:
+    """Create `path` (it must not exist) holding the concatenation of `parts`.
+
+    With sync the file is fsync'd before returning; without, it is on its way to the disk (a
+    direct write is already there, a buffered one has its writeback started) and a later
+    fdatasync makes it durable. A failed write removes the partial file. Returns the size."""
+    views = [memoryview(p).cast("B") for p in (parts if isinstance(parts, list) else [parts])]
+    total = sum(v.nbytes for v in views)
+    fd, is_direct = _open_new(path, mode, direct)
+    try:
+        if is_direct and total:
+            _write_direct(fd, views, total)
+        else:
+            _write_buffered(fd, views)
+        if sync:
+            os.fsync(fd)
+        elif not is_direct:
+            start_writeback(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    return total

@@ -47,7 +47,7 @@ import xxhash
 
 from chunkstore import codec
 from chunkstore.cache import ChunkCache, read_object
-from chunkstore.fileio import fsync_dir, start_writeback
+from chunkstore.fileio import fsync_dir, write_new
 from chunkstore.ids import chunk_id
 from chunkstore.node import NodeError
 from chunkstore.store import ChunkStore, ChunkStoreError
@@ -251,18 +251,6 @@ class Segment:
             os.close(fd)
 
 
-def _writev_all(fd: int, parts: list[memoryview]) -> None:
-    """writev every buffer, resuming after short writes (and at most 512 buffers a call)."""
-    parts = [p for p in parts if p.nbytes]
-    while parts:
-        done = os.writev(fd, parts[:512])
-        while parts and done >= parts[0].nbytes:
-            done -= parts[0].nbytes
-            parts.pop(0)
-        if done:
-            parts[0] = parts[0][done:]
-
-
 def default_staging_dir(volume_uuid: str) -> str:
     """`$XDG_CACHE_HOME/ckptfs/staging/<volume uuid>`: per host, per volume."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -460,17 +448,8 @@ class WriteBehindTier:
         self._reserve(n)
         tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                _writev_all(fd, parts)
-                start_writeback(fd)
-            finally:
-                os.close(fd)
+            write_new(tmp, parts, sync=False)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             self._write_failed(cid, n, e)
             raise
         with self._cond:
@@ -583,17 +562,7 @@ class WriteBehindTier:
         self._reserve(n)
         try:
             tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                view = memoryview(blob)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                os.unlink(tmp)
-                raise
-            os.close(fd)
+            write_new(tmp, blob, sync=True)
             os.rename(tmp, os.path.join(self.staged_dir, cid.hex()))
             self._dirsync.sync()  # the rename is durable before the journal names it
             t_ns = time.time_ns()
