@@ -393,7 +393,7 @@ class WriteBehindTier:
         acknowledged by the next `sync_staged()`: a writer that commits many chunks at once
         pays one batch of fsyncs at commit instead of three fsyncs per chunk. `width` is
         the float width hint `transcode` gets at upload time. `blob` may be a list of
-        buffers (the encoded object's parts, see codec.raw_parts): written with writev."""
+        buffers (the encoded object's parts, see codec.raw_parts), written out in order."""
         if self._stop.is_set():
             raise RuntimeError("write-behind tier is closed")
         self._foreground()

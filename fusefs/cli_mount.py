@@ -104,8 +104,7 @@ def _check_mountpoint(mp: str) -> None:
 
 def attach_tier(vol, staging: str | None, staging_size: int | None, durability: str | None):
     """Put the host's write-behind tier in front of the nodes (durability local by default)."""
-    # The mount encodes chunks as it writes them (filecache._put): no upload-time transcode.
-    return vol.attach_tier(staging, staging_size, durability or "local", transcode=None)
+    return vol.attach_tier(staging, staging_size, durability or "local")
 
 
 def _serve(args: argparse.Namespace, spec: str, mp: str, on_ready) -> None:

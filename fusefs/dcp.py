@@ -663,7 +663,7 @@ def _store(
     tier compresses at upload time and the rank syncs once before commit)."""
     tier = vol.tier
     if tier is not None and tier.durability == "local":
-        parts = codec.raw_parts(pieces)  # written with writev: no copy of the payload
+        parts = codec.raw_parts(pieces)  # not joined: fileio.write_new copies them once
         state = tier.put(cid, parts, sync=False, width=width)
         return NewChunk(cid, n, n + codec.HEADER, state)
     raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
