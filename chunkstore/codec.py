@@ -167,21 +167,24 @@ def _pack_parts(
     return [prefix + h.intdigest().to_bytes(8, "little"), *parts]
 
 
+def _pack(codec: int, width: int, raw_len: int, parts: list[bytes | memoryview]) -> bytes:
+    return b"".join(_pack_parts(codec, width, raw_len, parts))
+
+
 def raw_parts(parts: list[bytes | memoryview]) -> list[bytes | memoryview]:
     """encode(b"".join(parts), "none") as a list of buffers (header, then `parts` themselves),
     for writers that write them out directly instead of copying the payload into one object."""
     return _pack_parts(RAW, 0, sum(memoryview(p).nbytes for p in parts), parts)
 
 
-def encode_parts(
+def encode(
     raw: bytes | memoryview,
     codec: str,
     *,
     level: int = 1,
     elem_width: int | None = None,
-) -> list[bytes | memoryview]:
-    """Encode ``raw`` as a self-verifying chunk object, as buffers to write out in order
-    (a stored-raw payload is not copied: the last buffer is a view of ``raw``).
+) -> bytes:
+    """Encode ``raw`` as a self-verifying chunk object.
 
     ``codec`` is one of :data:`CODECS`; whatever is asked, the payload is stored raw when
     compression would not make it smaller. ``elem_width`` (2, 4 or 8) fixes the float grouping
@@ -217,25 +220,14 @@ def encode_parts(
     if codec == "zstd" and n:
         packed = _compressor(level).compress(mv)
         if len(packed) < n:
-            return _pack_parts(ZSTD, 0, n, [packed])
+            return _pack(ZSTD, 0, n, [packed])
     elif codec == "float":
         width = elem_width if elem_width is not None else _pick_width(_samples(mv))[0]
         if n >= width:
             parts = _float_parts(mv, width, level)
             if sum(len(p) for p in parts) < n:
-                return _pack_parts(FLOAT, width, n, parts)
-    return _pack_parts(RAW, 0, n, [mv])
-
-
-def encode(
-    raw: bytes | memoryview,
-    codec: str,
-    *,
-    level: int = 1,
-    elem_width: int | None = None,
-) -> bytes:
-    """encode_parts() as one bytes object."""
-    return b"".join(encode_parts(raw, codec, level=level, elem_width=elem_width))
+                return _pack(FLOAT, width, n, parts)
+    return _pack(RAW, 0, n, [mv])
 
 
 # -- decode / verify ---------------------------------------------------------------------------

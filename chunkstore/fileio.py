@@ -55,7 +55,7 @@ def start_writeback(fd: int) -> None:
 ALIGN = 4096  # O_DIRECT alignment of buffer address, length and file offset
 BOUNCE = 4 * 2**20 + 64 * 1024  # a 4 MiB chunk plus its header in one write
 _bounce = threading.local()
-_no_direct: set[int] = set()  # st_dev of filesystems that refused O_DIRECT (tmpfs, ...)
+_no_direct: set[str] = set()  # directories whose filesystem refused O_DIRECT (old tmpfs, ...)
 
 
 def _bounce_buffer() -> memoryview:
@@ -67,22 +67,30 @@ def _bounce_buffer() -> memoryview:
 
 def _open_new(path: str, mode: int, direct: bool) -> tuple[int, bool]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    if direct and hasattr(os, "O_DIRECT"):
-        dev = os.stat(os.path.dirname(path) or ".").st_dev
-        if dev not in _no_direct:
+    where = os.path.dirname(path)
+    if direct and hasattr(os, "O_DIRECT") and where not in _no_direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, mode), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            _no_direct.add(where)  # no direct I/O there: buffered from now on
+            # Linux creates the file before it checks for O_DIRECT support: the name is
+            # ours (callers pass unique temp names), so the empty file goes.
             try:
-                return os.open(path, flags | os.O_DIRECT, mode), True
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                _no_direct.add(dev)  # this filesystem has no direct I/O: buffered from now on
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
     return os.open(path, flags, mode), False
 
 
 def _write_buffered(fd: int, parts: list[memoryview]) -> None:
     for p in parts:
         while p:
-            p = p[os.write(fd, p) :]
+            done = os.write(fd, p)
+            if done == 0:
+                raise OSError(errno.EIO, "write made no progress")
+            p = p[done:]
 
 
 def _write_direct(fd: int, parts: list[memoryview], total: int) -> None:
@@ -110,8 +118,13 @@ def _write_direct(fd: int, parts: list[memoryview], total: int) -> None:
 def _flush_bounce(fd: int, bounce: memoryview, n: int) -> int:
     view = bounce[:n]
     while view:
-        done = os.write(fd, view)
-        if done % ALIGN:  # a short, unaligned write (not seen on Linux): finish buffered
+        try:
+            done = os.write(fd, view)
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # e.g. a device whose blocks are larger than ALIGN
+                raise
+            done = 0
+        if done == 0 or done % ALIGN:  # refused, or short and unaligned: finish buffered
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             _write_buffered(fd, [view[done:]])
             return n
@@ -136,20 +149,21 @@ def write_new(
     total = sum(v.nbytes for v in views)
     fd, is_direct = _open_new(path, mode, direct)
     try:
-        if is_direct and total:
-            _write_direct(fd, views, total)
-        else:
-            _write_buffered(fd, views)
-        if sync:
-            os.fsync(fd)
-        elif not is_direct:
-            start_writeback(fd)
+        try:
+            if is_direct and total:
+                _write_direct(fd, views, total)
+            else:
+                _write_buffered(fd, views)
+            if sync:
+                os.fsync(fd)
+            elif not is_direct:
+                start_writeback(fd)
+        finally:
+            os.close(fd)
     except BaseException:
-        os.close(fd)
         try:
             os.unlink(path)
         except OSError:
             pass
         raise
-    os.close(fd)
     return total

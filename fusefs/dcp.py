@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import errno
+import functools
 import io
 import logging
 import os
@@ -979,8 +980,7 @@ def _assemble(
             i += 1
         pieces.append(mine)
     order = [e.chunk_id for mine in pieces for e, _, _ in mine]
-    tier = vol.tier
-    fetch = (lambda cid: tier.get(cid, view=True)) if tier is not None else vol.fetch_chunk
+    fetch = functools.partial(vol.fetch_chunk, view=True)
     uses = Counter(order)
     sizes = {e.chunk_id: e.chunk_off + e.length for mine in pieces for e, _, _ in mine}
     futs: dict[bytes, CFuture] = {}

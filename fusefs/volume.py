@@ -444,10 +444,13 @@ class Volume:
         else:
             self.store.sync()
 
-    def fetch_chunk(self, cid: bytes) -> bytes:
-        """Verified raw bytes of a chunk, through the host tier when there is one."""
+    def fetch_chunk(self, cid: bytes, *, view: bool = False) -> bytes | memoryview:
+        """Verified raw bytes of a chunk, through the host tier when there is one.
+
+        view=True: a raw object in the tier comes back as a view of the mapped file
+        (cache.read_object fast=True), for readers that only copy out of it."""
         if self.tier is not None:
-            return self.tier.get(cid)
+            return self.tier.get(cid, view=view)
         return self.store.get(cid)
 
 

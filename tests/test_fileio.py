@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -32,7 +33,7 @@ def test_write_new_round_trips_any_size(tmp_path, sizes):
 
 
 def test_direct_io_is_used_where_the_filesystem_has_it(tmp_path):
-    if os.stat(tmp_path).st_dev in fileio._no_direct:
+    if str(tmp_path) in fileio._no_direct:
         pytest.skip("this filesystem has no O_DIRECT")
     fd, direct = fileio._open_new(str(tmp_path / "probe"), 0o600, True)
     os.close(fd)
@@ -53,6 +54,25 @@ def test_filesystems_without_direct_io_fall_back_to_buffered():
         for name in os.listdir(d):
             os.unlink(os.path.join(d, name))
         os.rmdir(d)
+
+
+def test_a_filesystem_refusing_o_direct_gets_a_buffered_write(tmp_path, monkeypatch):
+    """As Linux does on such a filesystem: the file is created, then EINVAL."""
+    real_open = os.open
+
+    def refusing_open(path, flags, mode=0o777):
+        if flags & os.O_DIRECT:
+            os.close(real_open(path, flags & ~os.O_DIRECT, mode))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(fileio.os, "open", refusing_open)
+    monkeypatch.setattr(fileio, "_no_direct", set())
+    data = os.urandom(10_000)
+    for name in ("a", "b"):  # the first write meets the refusal, the second skips O_DIRECT
+        fileio.write_new(str(tmp_path / name), data, sync=True)
+        assert (tmp_path / name).read_bytes() == data
+    assert str(tmp_path) in fileio._no_direct
 
 
 def test_an_existing_target_is_an_error_and_is_left_alone(tmp_path):

@@ -482,9 +482,9 @@ def test_parallel_sequential_readers_fetch_each_chunk_about_once(tmp_path):
     fetched: Counter[bytes] = Counter()
     real_fetch = vol.fetch_chunk
 
-    def counting_fetch(cid: bytes) -> bytes:
+    def counting_fetch(cid: bytes, **kw) -> bytes:
         fetched[cid] += 1
-        return real_fetch(cid)
+        return real_fetch(cid, **kw)
 
     vol.fetch_chunk = counting_fetch
     got: dict[str, bytes] = {}
