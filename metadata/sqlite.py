@@ -13,12 +13,11 @@ next ordinary write (in the service, the idle journal apply) does it.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sqlite3
 import threading
-from collections.abc import Callable
 
+from chunkstore.fileio import start_writeback
 from metadata.sqlbase import SqlEngine
 
 SCHEMA = [
@@ -54,22 +53,6 @@ SCHEMA = [
 ]
 
 
-SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of dirty pages, do not wait
-
-
-def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """Linux's sync_file_range, or None where libc lacks it (the publish's fsync then
-    writes the whole WAL itself, as it must anyway)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _libc_sync_file_range()
 # Pages of a new database. A group commit writes ~5 MB per 1024 ranks (inode rows
 # with their extent lists, journal blobs): at 16 KB, a quarter of the B-tree pages,
 # overflow chains and WAL frames of 4 KB pages (write CPU ~12% lower per batch).
@@ -120,15 +103,13 @@ class SqliteEngine(SqlEngine):
             self._sync_wal()
 
     def _start_writeback(self) -> None:
-        if _SYNC_FILE_RANGE is None:
-            return
         with self._lock:
             try:
                 fd = os.open(self.path + "-wal", os.O_RDONLY)
             except FileNotFoundError:
                 return
             try:
-                _SYNC_FILE_RANGE(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+                start_writeback(fd)
             finally:
                 os.close(fd)
 
