@@ -445,6 +445,12 @@ class MetaService:
         k+1 overlaps the SQL of batch k, which runs without the GIL. Commits that
         arrive meanwhile wait and form the next batch. Idle time applies the
         reference journal in slices, so a commit never waits behind a long apply."""
+        try:
+            await self._batch_loop()
+        finally:  # cancelled (shutdown) or failed mid-burst: never leave cyclic GC off
+            self._gc_release()
+
+    async def _batch_loop(self) -> None:
         send, recv = trio.open_memory_channel[tuple[list, Any]](0)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._commit_writer, recv)
