@@ -65,10 +65,11 @@ def _bounce_buffer() -> memoryview:
     return buf
 
 
-def _open_new(path: str, mode: int, direct: bool) -> tuple[int, bool]:
+def _open_new(path: str) -> tuple[int, bool]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    mode = 0o600
     where = os.path.dirname(path)
-    if direct and hasattr(os, "O_DIRECT") and where not in _no_direct:
+    if hasattr(os, "O_DIRECT") and where not in _no_direct:
         try:
             return os.open(path, flags | os.O_DIRECT, mode), True
         except OSError as e:
@@ -137,17 +138,15 @@ def write_new(
     parts: bytes | memoryview | list[bytes | memoryview],
     *,
     sync: bool,
-    direct: bool = True,
-    mode: int = 0o600,
 ) -> int:
-    """Create `path` (it must not exist) holding the concatenation of `parts`.
+    """Create `path` (it must not exist; mode 0600) holding the concatenation of `parts`.
 
     With sync the file is fsync'd before returning; without, it is on its way to the disk (a
     direct write is already there, a buffered one has its writeback started) and a later
     fdatasync makes it durable. A failed write removes the partial file. Returns the size."""
     views = [memoryview(p).cast("B") for p in (parts if isinstance(parts, list) else [parts])]
     total = sum(v.nbytes for v in views)
-    fd, is_direct = _open_new(path, mode, direct)
+    fd, is_direct = _open_new(path)
     try:
         try:
             if is_direct and total:

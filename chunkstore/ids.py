@@ -19,6 +19,16 @@ def chunk_id(data: bytes | memoryview, seed: int) -> bytes:
     return xxhash.xxh3_128_digest(data, seed=seed)
 
 
+def pieces_id(pieces: list[bytes | memoryview], seed: int) -> bytes:
+    """chunk_id of the concatenated pieces, without concatenating them."""
+    if len(pieces) == 1:
+        return chunk_id(pieces[0], seed)
+    h = xxhash.xxh3_128(seed=seed)
+    for p in pieces:
+        h.update(p)
+    return h.digest()
+
+
 def to_hex(cid: bytes) -> str:
     return cid.hex()
 

@@ -49,7 +49,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import xxhash
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
@@ -76,7 +75,7 @@ from torch.futures import Future
 import chunkstore.writeback  # noqa: F401 - imported with this module, not inside the first save
 import metadata.sqlite  # noqa: F401 - (the Volume imports them lazily; profiled: ~0.2 s a rank)
 from chunkstore import codec
-from chunkstore.ids import chunk_id
+from chunkstore.ids import pieces_id
 from fusefs.volume import FileWriter, Volume, drain_quietly
 from metadata.engine import DURABLE, Extent, MetaError, NewChunk
 
@@ -605,7 +604,7 @@ class _ChunkFile:
             return
         batch, self._batch = self._batch, []
         seed = self.vol.seed
-        ids = list(self.vol.pool.map(lambda b: _hash_pieces(b[1], seed), batch))
+        ids = list(self.vol.pool.map(lambda b: pieces_id(b[1], seed), batch))
         ask = [cid for cid in dict.fromkeys(ids) if cid not in self._planned]
         missing = self.vol.meta.missing_chunks(ask) if ask else set()
         for (off, pieces, n, (codec_name, width)), cid in zip(batch, ids, strict=True):
@@ -640,16 +639,6 @@ class _ChunkFile:
 
 
 _KEEP_MIN = 64 * 1024  # smaller writes are copied (cheap, and may be torch's own buffers)
-
-
-def _hash_pieces(pieces: list[bytes | memoryview], seed: int) -> bytes:
-    """Chunk id of the concatenated pieces, without concatenating them."""
-    if len(pieces) == 1:
-        return chunk_id(pieces[0], seed)
-    h = xxhash.xxh3_128(seed=seed)
-    for p in pieces:
-        h.update(p)
-    return h.digest()
 
 
 def _store(

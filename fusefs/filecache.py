@@ -45,10 +45,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import trio
-import xxhash
 
 from chunkstore import codec
-from chunkstore.ids import chunk_id
+from chunkstore.ids import chunk_id, pieces_id
 from fusefs.volume import Volume
 from metadata.engine import Attr, Extent, NewChunk
 
@@ -562,10 +561,7 @@ class FileCache:
 
     def _chunk_id(self, data: memoryview | Pieces) -> bytes:
         if isinstance(data, Pieces):
-            h = xxhash.xxh3_128(seed=self.vol.seed)  # the same digest as chunk_id of the join
-            for p in data.parts:
-                h.update(p)
-            return h.digest()
+            return pieces_id(data.parts, self.vol.seed)
         return chunk_id(data, self.vol.seed)
 
     def _hash_and_store(self, data: memoryview | Pieces) -> tuple[bytes, NewChunk | None]:

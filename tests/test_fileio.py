@@ -35,7 +35,7 @@ def test_write_new_round_trips_any_size(tmp_path, sizes):
 def test_direct_io_is_used_where_the_filesystem_has_it(tmp_path):
     if str(tmp_path) in fileio._no_direct:
         pytest.skip("this filesystem has no O_DIRECT")
-    fd, direct = fileio._open_new(str(tmp_path / "probe"), 0o600, True)
+    fd, direct = fileio._open_new(str(tmp_path / "probe"))
     os.close(fd)
     assert direct, "expected O_DIRECT on the test directory's filesystem"
 
