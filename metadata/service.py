@@ -8,11 +8,11 @@ engine run as tasks, blocking calls in worker threads under one
 CapacityLimiter. Three requests get special handling because thousands of
 ranks send them at the same moment:
 
-- commit_rank: appended to the batcher's queue (no task, no thread); the
-  batcher validates everything waiting in one thread call, then hands it to
-  the writer stage, which writes it in one transaction (group commit) while
-  the next batch is validated. Between batches it applies the engine's
-  pending-reference journal in small slices;
+- commit_rank: queued for group commit (no task; see groupcommit.py): a
+  validation thread checks everything waiting at once, and a writer thread
+  writes it in one transaction while the next batch is validated. Between
+  bursts the writer applies the engine's pending-reference journal in small
+  slices;
 - manifest: built once per published step (right at publish) and encoded
   once, whole and per rank; a request for a built step is answered on the
   reader, from that encoding, with no thread hop and no database access;
@@ -32,6 +32,7 @@ import hmac
 import logging
 import os
 import sys
+import time
 from collections import OrderedDict
 from functools import partial
 from typing import Any
@@ -41,6 +42,7 @@ import trio
 
 from metadata.checkpoints import pack_files
 from metadata.engine import MetaEngine, MetaError
+from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
     MAX_FRAME,
     PROTO_VERSION,
@@ -57,16 +59,11 @@ log = logging.getLogger("ckptfs.meta")
 
 HANDSHAKE_TIMEOUT = 10.0
 MAX_INFLIGHT_PER_CONN = 4096
-MAX_BATCH = 1024  # ranks per group commit: validation of the next one overlaps its write
-APPLY_IDLE = 0.05  # no request for this long: apply a slice of the reference journal
-APPLY_SLICE = 1  # journal rows per slice (up to JOURNAL_GROUP = 32 rank commits): ~10-50 ms
 IDEM_KEEP = 200_000
 MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
 GC_GEN0 = 50_000  # allocations between young-generation collections (default 700)
-GC_HOLD_MAX = 10.0  # seconds of unbroken commits before cyclic GC runs again
-ANSWER_YIELDS = 3  # scheduling rounds a batch's answers wait: the next write starts first
 SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits
 
 
@@ -226,15 +223,8 @@ class MetaService:
         self.base_dir = base_dir
         self.max_frame = max_frame
         self.limiter = trio.CapacityLimiter(threads)
-        self._commits: list[tuple[tuple, Any]] = []
-        self._commits_wake = trio.Event()
-        self._journal_dirty = True  # a previous run may have left pending references
-        self._last_request = 0.0
         self._building = 0  # manifests being built: the fan-out comes next, don't apply
-        self._writing = 0  # group commits handed to the writer and not yet acknowledged
-        self._gc_held: float | None = None  # when _gc_hold turned cyclic GC off
-        self._acked = trio.Event()  # the last written batch is acknowledged
-        self._acked.set()
+        self._group = GroupCommit(engine, self._acknowledge, busy=lambda: self._building > 0)
         self._idem: OrderedDict[bytes, _Slot] = OrderedDict()
         self._manifests: OrderedDict[tuple, _Slot] = OrderedDict()
         # (job, step) -> {rank: files} of the commits this process wrote: at publish the
@@ -244,10 +234,7 @@ class MetaService:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.connections = 0
-        self.stats = {
-            "requests": 0, "inline": 0, "batches": 0, "batched_commits": 0, "bad_clients": 0,
-            "journal_slices": 0,
-        }  # fmt: skip
+        self.stats = {"requests": 0, "inline": 0, "bad_clients": 0}
 
     # -- lifecycle -------------------------------------------------------------
     async def serve(
@@ -266,7 +253,7 @@ class MetaService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             listeners = await trio.open_tcp_listeners(port, host=host)
-            nursery.start_soon(self._batcher)
+            nursery.start_soon(self._group.run)
             nursery.start_soon(self._expirer)
             task_status.started(listeners[0].socket.getsockname()[1])
             await trio.serve_listeners(self._handle, listeners)
@@ -342,7 +329,7 @@ class MetaService:
                     if not data:
                         break
                     frames = dec.feed(data)
-                # The client is gone. Queued commits still complete in the batcher (a
+                # The client is gone. Queued commits still complete in the group commit (a
                 # retry on a new connection finds their outcome); tasks stop here.
                 nursery.cancel_scope.cancel()
         finally:
@@ -354,7 +341,7 @@ class MetaService:
         rid, method, args, kwargs, key = req
         self.stats["requests"] += 1
         if method != "ping":
-            self._last_request = trio.current_time()
+            self._group.last_request = time.monotonic()
         conn.inflight += 1
         if method not in REMOTE_METHODS:
             conn.reply(rid, (None, MetaError(errno.ENOSYS, f"unknown method {method!r}")), method)
@@ -379,8 +366,7 @@ class MetaService:
                 return
             if method == "commit_rank":
                 item = _commit_args(*args, **kwargs)
-                self._commits.append((item, slot))
-                self._commits_wake.set()
+                self._group.submit(item, slot)
                 return
             if method == "manifest":
                 job, step, rank = _manifest_args(*args, **kwargs)
@@ -438,79 +424,8 @@ class MetaService:
         return absolute_config(await self._run(self.engine.get_config), self.base_dir)
 
     # -- group commit ------------------------------------------------------------
-    async def _batcher(self) -> None:
-        """Group commit as a two-stage pipeline. This task validates the next batch
-        (`prepare_commits`: CPU only, no database) while `_commit_writer` writes the
-        previous one (`write_commits`: one transaction), so the validation of batch
-        k+1 overlaps the SQL of batch k, which runs without the GIL. Commits that
-        arrive meanwhile wait and form the next batch. Idle time applies the
-        reference journal in slices, so a commit never waits behind a long apply."""
-        try:
-            await self._batch_loop()
-        finally:  # cancelled (shutdown) or failed mid-burst: never leave cyclic GC off
-            self._gc_release()
-
-    async def _batch_loop(self) -> None:
-        send, recv = trio.open_memory_channel[tuple[list, Any]](0)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._commit_writer, recv)
-            while True:
-                if not self._commits:
-                    if not self._writing:
-                        self._gc_release()
-                    if self._journal_dirty:
-                        with trio.move_on_after(APPLY_IDLE):
-                            await self._commits_wake.wait()
-                        quiet = trio.current_time() - self._last_request >= APPLY_IDLE
-                        if not self._commits and quiet and not (self._building or self._writing):
-                            await self._apply_slice()
-                        continue
-                    await self._commits_wake.wait()
-                self._commits_wake = trio.Event()
-                self._gc_hold()
-                batch, self._commits = self._commits[:MAX_BATCH], self._commits[MAX_BATCH:]
-                items = [item for item, _ in batch]
-                try:
-                    prepared = await self._run(self.engine.prepare_commits, items)
-                except Exception as e:  # noqa: BLE001 - a bug must not stop group commit
-                    log.exception("validating a group commit of %d ranks failed", len(batch))
-                    err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
-                    prepared = ([err] * len(batch), [])
-                self._writing += 1  # from here until acknowledged: no journal slices
-                await send.send((batch, prepared))
-
-    async def _commit_writer(self, recv: trio.MemoryReceiveChannel) -> None:
-        """The pipeline's second stage: write a prepared batch, then hand the next one
-        to the thread before answering this one's ranks, so the loop answers while the
-        next batch is written (the SQL runs without the GIL). Answering 1024 ranks
-        first kept the writer idle ~15 ms per batch."""
-        async with trio.open_nursery() as answers:
-            async for batch, prepared in recv:
-                try:
-                    results = await self._run(self.engine.write_commits, prepared)
-                except Exception as e:
-                    log.exception("group commit of %d ranks failed", len(batch))
-                    err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
-                    results = [err] * len(batch)
-                self._journal_dirty = True
-                answers.start_soon(self._answer, batch, results)
-
-    async def _answer(self, batch: list, results: list) -> None:
-        """Acknowledge a written group commit: answers, terminal states, manifests; in
-        the order the batches were written."""
-        prev, done = self._acked, trio.Event()
-        self._acked = done
-        for _ in range(ANSWER_YIELDS):  # the writer takes the next batch to its thread first
-            await trio.lowlevel.checkpoint()
-        await prev.wait()
-        try:
-            self._acknowledge(batch, results)
-        finally:
-            done.set()
-
     def _acknowledge(self, batch: list, results: list) -> None:
-        self.stats["batches"] += 1
-        self.stats["batched_commits"] += len(batch)
+        """A written group commit (on the loop): answers, terminal states, manifests."""
         changed = False
         encoded: dict[int, msgspec.Raw] = {}  # ranks of a step share one answer object
         for (item, slot), res in zip(batch, results, strict=True):
@@ -530,28 +445,8 @@ class MetaService:
                 if raw is None:
                     raw = encoded[id(res)] = msgspec.Raw(encode(res))
                 slot.set(raw)
-        self._writing -= 1
-        if not (self._writing or self._commits):
-            self._gc_release()
         if changed:
             self._notify()
-
-    def _gc_hold(self) -> None:
-        """No cyclic GC during a burst of commits: its young-generation passes rescanned
-        the burst's live requests and rows (~12 ms each, a few per 1024 ranks, under
-        the GIL the writer needs). Collection resumes when the burst is answered, or
-        after GC_HOLD_MAX seconds of unbroken commits."""
-        if self._gc_held is None:
-            if gc.isenabled():  # else someone else turned it off: leave it to them
-                gc.disable()
-                self._gc_held = trio.current_time()
-        elif trio.current_time() - self._gc_held > GC_HOLD_MAX:
-            gc.enable()  # a long burst: collect as usual until it ends
-
-    def _gc_release(self) -> None:
-        if self._gc_held is not None:
-            self._gc_held = None
-            gc.enable()
 
     def _remember_files(self, key: tuple[str, int], item: tuple, res: dict) -> None:
         if res["state"] == "aborted":
@@ -562,17 +457,6 @@ class MetaService:
                     del self._step_files[next(iter(self._step_files))]
                 self._step_files[key] = {}
             self._step_files[key][item[2]] = item[3]
-
-    async def _apply_slice(self) -> None:
-        try:
-            left = await self._run(self.engine.apply_pending, APPLY_SLICE)
-            self._journal_dirty = bool(left)
-            self.stats["journal_slices"] += 1
-        except AttributeError:  # an engine without a journal
-            self._journal_dirty = False
-        except Exception:
-            log.exception("applying pending chunk references failed")
-            await trio.sleep(1.0)
 
     async def _expirer(self) -> None:
         while True:
