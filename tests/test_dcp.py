@@ -384,3 +384,52 @@ def test_mapped_cache_object_loads_in_place(tmp_path):
     path.write_bytes(whole[:-5])
     with pytest.raises(codec.ChunkFormatError):
         read_object(str(path), fast=True)
+
+
+def test_saved_tensor_bytes_equal_torch_save_from_the_envelope_cache():
+    """_save_tensor writes a repeated tensor form from its captured envelope: the bytes must
+    be torch.save's (CRC off) for every form, cached or not, and load back exactly."""
+    import io
+    import pickle
+
+    from fusefs import dcp as d
+
+    def torch_bytes(t: torch.Tensor) -> bytes:
+        buf = io.BytesIO()
+        w = torch._C.PyTorchFileWriter(buf, False, d._NO_CRC_SAVE)
+        torch.serialization._save(t, w, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+        w.write_end_of_file()
+        return buf.getvalue()
+
+    def ours(t: torch.Tensor) -> bytes:
+        buf = io.BytesIO()
+        d._save_tensor(t, buf)
+        return buf.getvalue()
+
+    assert d._NO_CRC_SAVE is not None, "this torch's serialization internals changed"
+    d._ENVELOPES.clear()
+    plain = [
+        lambda k: torch.randn(1000) + k,
+        lambda k: (torch.randn(10, 30) + k).to(torch.bfloat16),
+        lambda k: torch.tensor(3.5 + k),  # 0-dim
+        lambda k: torch.arange(10, dtype=torch.int64) + k,
+    ]
+    other = [
+        lambda k: torch.randn(7, 5).t(),  # not contiguous
+        lambda k: torch.randn(20)[5:],  # a view into a larger storage
+        lambda k: torch.zeros(0),
+        lambda k: torch.randn(8, requires_grad=True),
+        lambda k: torch.nn.Parameter(torch.randn(8)),
+    ]
+    for make in plain + other:
+        for k in range(3):
+            t = make(k)
+            got = ours(t)
+            assert got == torch_bytes(t), (t.dtype, tuple(t.shape), k)
+            back = torch.load(io.BytesIO(got), weights_only=True)
+            assert torch.equal(back.detach(), t.detach())
+    assert len(d._ENVELOPES) == len(plain)  # one envelope per plain form, none for the rest
+    # a tensor with Python attributes is not a plain form, even with a cached envelope
+    t = torch.randn(1000)
+    t.note = "x"
+    assert d._envelope_key(t) is None
