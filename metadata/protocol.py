@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import struct
 from dataclasses import fields
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from metadata.checkpoints import WireFile
 from metadata.engine import Attr, ChunkRow, DirEntry, Extent, NewChunk, VolumeStats
 
 PROTO_VERSION = 1
@@ -188,6 +189,30 @@ def parse_request(body: bytes | memoryview) -> tuple[int, str, list, dict, bytes
     if key is not None and (not isinstance(key, bytes) or not 8 <= len(key) <= 64):
         raise ProtocolError("idempotency key must be 8..64 bytes")
     return rid, method, args, kwargs, key
+
+
+_COMMIT_TAG = b"\xabcommit_rank"  # the method name as msgpack encodes it
+_COMMIT = msgspec.msgpack.Decoder(
+    tuple[
+        Annotated[int, msgspec.Meta(gt=0, le=2**63 - 1)],
+        Literal["commit_rank"],
+        tuple[str, int, int, list[WireFile]],
+        dict[str, str],
+        Annotated[bytes, msgspec.Meta(min_length=8, max_length=64)] | None,
+    ]
+)
+
+
+def parse_commit(body: bytes | memoryview) -> tuple[int, str, tuple, dict, bytes | None] | None:
+    """A well-typed commit_rank request decoded straight into WireFiles, else None (then
+    `parse_request` decodes it, and the engine's checks name what is wrong). Thousands
+    of ranks send these at once; the typed decode is the service loop's cheapest."""
+    if _COMMIT_TAG not in bytes(body[:16]):
+        return None
+    try:
+        return _COMMIT.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def parse_hello(body: bytes | memoryview) -> dict:

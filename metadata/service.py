@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 import trio
 
-from metadata.checkpoints import pack_files
+from metadata.checkpoints import WireFile, pack_files
 from metadata.engine import MetaEngine, MetaError
 from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
@@ -51,6 +51,7 @@ from metadata.protocol import (
     ProtocolError,
     encode,
     encode_frame,
+    parse_commit,
     parse_hello,
     parse_request,
 )
@@ -196,9 +197,12 @@ def _encode_manifest(head: dict, files: dict[int, list]) -> tuple[dict, Any, dic
     for rank in sorted(files):
         rows = []
         for f in pack_files(files[rank]):
-            p = f["path"]
+            if type(f) is WireFile:
+                p, size, ext = f.path, f.size, f.extents
+            else:
+                p, size, ext = f["path"], f["size"], f.get("extents", b"")
             raw = os.fsencode(p) if isinstance(p, str) else bytes(p)
-            rows.append((raw, int(f["size"]), bytes(f.get("extents", b""))))
+            rows.append((raw, int(size), bytes(ext)))
         rows.sort(key=lambda r: r[0])
         by_rank[rank] = [
             {"path": os.fsdecode(p), "size": n, "rank": rank, "extents": ext} for p, n, ext in rows
@@ -324,7 +328,8 @@ class MetaService:
                         while conn.inflight >= MAX_INFLIGHT_PER_CONN:
                             conn.drained = trio.Event()
                             await conn.drained.wait()
-                        self._on_request(conn, nursery, parse_request(body))
+                        req = parse_commit(body) or parse_request(body)
+                        self._on_request(conn, nursery, req)
                     data = await stream.receive_some(1 << 20)
                     if not data:
                         break

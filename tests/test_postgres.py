@@ -362,3 +362,62 @@ def test_batch_path_checks_refuse_exactly_the_bad_ranks(vol):
             assert str(alone.value) == str(res) and alone.value.errno == res.errno
         else:
             assert isinstance(res, dict) and res["state"] == "open", (r, res)
+
+
+def test_typed_wire_commits_get_the_errors_of_dict_commits(vol):
+    """The service decodes a well-typed commit_rank into WireFiles (protocol.parse_commit)
+    and checks a big batch of them on a fast path; every rank must get exactly what the
+    same files as dicts get: the good ones commit, each bad one its own error."""
+    from metadata.checkpoints import BATCH_CHECK_MIN, CHK, EXT, WireFile
+    from metadata.protocol import encode, parse_commit
+
+    m = vol.meta
+    n = BATCH_CHECK_MIN + 8
+
+    def rank(r: int, how: str = "") -> list[dict]:
+        cid = _cid(b"w%d" % r)
+        f = {"path": f"d{r}/f", "size": 8, "extents": EXT.pack(0, 8, 0, cid),
+             "new_chunks": CHK.pack(cid, 8, 8, 1)}  # fmt: skip
+        if how == "dup":
+            return [f, dict(f)]
+        if how == "huge":
+            f["size"] = 2**62
+        elif how == "ragged":
+            f["extents"] += b"x"
+        elif how == "escape":
+            f["path"] = "../x"
+        elif how == "past_end":
+            f["size"] = 4
+        elif how == "surrogate":
+            f["path"] = "a\udcff/\ud800"
+        return [f]
+
+    bad = {2: "dup", 5: "huge", 7: "ragged", 11: "escape", 13: "past_end", 17: "surrogate"}
+
+    def wire(step: int, r: int) -> tuple:
+        files = rank(r, bad.get(r, ""))
+        if bad.get(r) == "surrogate":  # cannot travel as a msgpack str; built in-process
+            return ("w", step, r, [WireFile(**f) for f in files], "h")
+        frame = encode([r + 1, "commit_rank", ["w", step, r, files], {"host": "h"}, None])
+        req = parse_commit(frame)
+        assert req is not None and all(type(f) is WireFile for f in req[2][3])
+        return (*req[2], req[3]["host"])
+
+    m.begin("w", 1, n)
+    typed = m.commit_ranks([wire(1, r) for r in range(n)])
+    m.begin("w", 2, n)
+    plain = m.commit_ranks([("w", 2, r, rank(r, bad.get(r, "")), "h") for r in range(n)])
+    for r, (a, b) in enumerate(zip(typed, plain, strict=True)):
+        if r in bad:
+            assert isinstance(a, MetaError) and isinstance(b, MetaError), (r, a, b)
+            assert (a.errno, str(a)) == (b.errno, str(b)), r
+        else:
+            assert isinstance(a, dict) and a["state"] == "open", (r, a)
+    assert m.checkpoint_info("w", 1)["committed"] == n - len(bad)
+    m.begin("w", 3, n)  # an all-good typed batch: the fast path end to end
+    bad.clear()
+    done = m.commit_ranks([wire(3, r) for r in range(n)])
+    assert [d["state"] for d in done] == ["published"] * n  # one answer per batch
+    assert sorted(f["path"] for f in m.manifest("w", 3)["files"]) == sorted(
+        f"d{r}/f" for r in range(n)
+    )
