@@ -711,7 +711,8 @@ _ENVELOPES_MAX = 4096  # distinct tensor forms remembered per process
 def _envelope_key(t: torch.Tensor) -> tuple | None:
     """The form of a tensor whose torch.save bytes are an envelope around its own bytes,
     or None (a subclass, a grad-tracking or hooked tensor, Python attributes, tensor
-    metadata, a view into a larger storage, conj/neg bits: saved by torch every time)."""
+    metadata, a view into a larger storage, conj/neg bits, nesting: saved by torch
+    every time)."""
     if (
         type(t) is not torch.Tensor
         or t.requires_grad
@@ -724,6 +725,7 @@ def _envelope_key(t: torch.Tensor) -> tuple | None:
         or t.is_conj()
         or t.is_neg()
         or t.is_quantized
+        or t.is_nested
         or t._backward_hooks
         or t.__dict__
         or torch._utils.get_tensor_metadata(t)

@@ -33,6 +33,7 @@ import errno
 import functools
 import logging
 import os
+import sqlite3
 import stat
 import time
 from collections.abc import Callable
@@ -50,6 +51,7 @@ from metadata.sqlite import SqliteEngine
 log = logging.getLogger("ckptfs.mount")
 
 ENTRY_TIMEOUT = 1.0
+READER_BUSY = 0.1  # seconds an inline read may wait for SQLite before going to a worker
 ATTR_TIMEOUT = 1.0
 BLKSIZE = 1 << 20  # st_blksize: stdio, cp and dd pick their buffer size from it
 CONTROL_FLUSH = b"user.ckptfs.flush"  # setxattr on the root: drain the write-behind tier
@@ -111,18 +113,20 @@ class CkptFS(pyfuse3.Operations):
     # -- plumbing ------------------------------------------------------------------
     async def run(self, on_ready: Callable[[], None] | None = None) -> None:
         """Serve until unmounted or signalled; then publish what is still dirty."""
-        async with trio.open_nursery() as bg:
-            self.cache = FileCache(self.vol, bg)
-            async with trio.open_nursery() as n:
-                n.start_soon(self._signals)
-                n.start_soon(self._probe, on_ready)
-                await pyfuse3.main(min_tasks=4, max_tasks=64)
-                n.cancel_scope.cancel()
-            await self.cache.shutdown()
-            await self.reap_all()
-            bg.cancel_scope.cancel()
-        if self.reader is not None:
-            self.reader.close()
+        try:
+            async with trio.open_nursery() as bg:
+                self.cache = FileCache(self.vol, bg)
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._signals)
+                    n.start_soon(self._probe, on_ready)
+                    await pyfuse3.main(min_tasks=4, max_tasks=64)
+                    n.cancel_scope.cancel()
+                await self.cache.shutdown()
+                await self.reap_all()
+                bg.cancel_scope.cancel()
+        finally:
+            if self.reader is not None:
+                self.reader.close()
 
     async def _signals(self) -> None:
         import signal
@@ -153,14 +157,22 @@ class CkptFS(pyfuse3.Operations):
         cost the loop ~150 us more: creating a small file (lookup, create, getattr, write,
         flush, release) spent half its daemon CPU on such trips. S3QL runs all its
         metadata queries on the loop; these run on a connection of their own (WAL: a read
-        never waits for the workers' write transactions) and see every committed write."""
+        never waits for the workers' write transactions) and see every committed write.
+        Where SQLite would make it wait (WAL recovery after a crash), the connection gives
+        up within READER_BUSY and the read goes to a worker as before."""
         if self.reader is not None:
-            return self.reader.getattr(ino)
+            try:
+                return self.reader.getattr(ino)
+            except sqlite3.OperationalError as e:
+                log.debug("inline getattr of %d: %s; via a worker", ino, e)
         return await self.meta(self.vol.meta.getattr, ino)
 
     async def _lookup(self, parent: int, name: bytes) -> Attr:
         if self.reader is not None:
-            return self.reader.lookup(parent, name)
+            try:
+                return self.reader.lookup(parent, name)
+            except sqlite3.OperationalError as e:
+                log.debug("inline lookup in %d: %s; via a worker", parent, e)
         return await self.meta(self.vol.meta.lookup, parent, name)
 
     def _view(self, a: Attr) -> Attr:
@@ -658,7 +670,7 @@ def _local_reader(vol: Volume) -> SqliteEngine | None:
     path = getattr(vol.meta, "path", None)
     if type(vol.meta) is not SqliteEngine or not path:
         return None
-    return SqliteEngine(path)
+    return SqliteEngine(path, busy_timeout=READER_BUSY)
 
 
 def serve(

@@ -44,7 +44,8 @@ log = logging.getLogger("ckptfs.meta")
 MAX_BATCH = 1024  # ranks per group commit: validation of the next one overlaps its write
 APPLY_IDLE = 0.05  # no request for this long: apply a slice of the reference journal
 APPLY_SLICE = 1  # journal rows per slice (up to JOURNAL_GROUP = 32 rank commits): ~10-50 ms
-SETTLE = 0.002  # a partial batch waits until commits stop arriving for this long
+SETTLE = 0.002  # a partial batch waits until commits stop arriving for this long,
+SETTLE_MAX = 0.01  # but never longer than this after its first commit was queued
 GC_HOLD_MAX = 10.0  # seconds of unbroken commits before cyclic GC runs again
 
 Acknowledge = Callable[[list, list], None]
@@ -74,6 +75,7 @@ class GroupCommit:
         self._inflight = 0  # batches taken from the queue and not yet acknowledged
         self._stopping = False
         self._last_submit = 0.0
+        self._queued_since = 0.0  # when the queue last went from empty to not
         self._gc_held: float | None = None  # when cyclic GC was turned off
         self.journal_dirty = True  # a previous run may have left pending references
         self.last_request = 0.0  # time.monotonic() of the latest request (set by the loop)
@@ -83,8 +85,11 @@ class GroupCommit:
     def submit(self, item: tuple, slot: Any) -> None:
         with self._more:
             self._queue.append((item, slot))
-            self._last_submit = time.monotonic()
-            if len(self._queue) in (1, MAX_BATCH):  # else the validator is awake or busy
+            self._last_submit = now = time.monotonic()
+            if len(self._queue) == 1:
+                self._queued_since = now
+                self._more.notify()
+            elif len(self._queue) == MAX_BATCH:  # else the validator is awake or busy
                 self._more.notify()
 
     async def run(self) -> None:
@@ -92,6 +97,7 @@ class GroupCommit:
         A batch that was queued but not written is not answered: the service is
         going away, and the clients retry on its successor."""
         token = trio.lowlevel.current_trio_token()
+        self._stopping = False
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(trio.to_thread.run_sync, self._validate_loop)
@@ -112,8 +118,12 @@ class GroupCommit:
         self.stats["batched_commits"] += len(batch)
         try:
             self._acknowledge(batch, results)
-        except Exception:  # noqa: BLE001 - a bug here must not take the loop down
+        except Exception as e:  # noqa: BLE001 - a bug here must not take the loop down
             log.exception("acknowledging a group commit of %d ranks failed", len(batch))
+            err = MetaError(errno.EIO, f"commit acknowledgement failed: {type(e).__name__}: {e}")
+            for _, slot in batch:  # nobody may wait forever for an answer
+                if not slot.done:
+                    slot.set(error=err)
         finally:
             with self._more:
                 self._inflight -= 1
@@ -128,7 +138,11 @@ class GroupCommit:
                     if not self._queue or self._validated:
                         (self._room if self._validated else self._more).wait()
                         continue
-                    settle = SETTLE - (time.monotonic() - self._last_submit)
+                    now = time.monotonic()
+                    settle = min(
+                        SETTLE - (now - self._last_submit),
+                        SETTLE_MAX - (now - self._queued_since),
+                    )
                     if len(self._queue) >= MAX_BATCH or settle <= 0:
                         break
                     self._more.wait(settle)  # a burst is arriving: take it whole
@@ -152,7 +166,7 @@ class GroupCommit:
         while True:
             with self._ready:
                 if not self._validated and not self._stopping:
-                    self._ready.wait(APPLY_IDLE)
+                    self._ready.wait(APPLY_IDLE if self.journal_dirty else None)
                 if self._stopping:
                     return
                 job = self._validated.popleft() if self._validated else None

@@ -207,7 +207,7 @@ def parse_commit(body: bytes | memoryview) -> tuple[int, str, tuple, dict, bytes
     """A well-typed commit_rank request decoded straight into WireFiles, else None (then
     `parse_request` decodes it, and the engine's checks name what is wrong). Thousands
     of ranks send these at once; the typed decode is the service loop's cheapest."""
-    if _COMMIT_TAG not in bytes(body[:16]):
+    if _COMMIT_TAG not in bytes(body[:24]):  # array header, id (up to 9 bytes), method
         return None
     try:
         return _COMMIT.decode(body)

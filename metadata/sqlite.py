@@ -63,10 +63,14 @@ WAL_DEFER_MAX = 512 << 20  # a durable commit defers the WAL copy up to this WAL
 
 
 class SqliteEngine(SqlEngine):
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, busy_timeout: float = 60.0) -> None:
         self.path = path
         self._conn = sqlite3.connect(
-            path, isolation_level=None, check_same_thread=False, timeout=60, cached_statements=512
+            path,
+            isolation_level=None,
+            check_same_thread=False,
+            timeout=busy_timeout,
+            cached_statements=512,
         )
         self._conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # takes effect in a new database
         self._conn.execute("PRAGMA journal_mode=WAL")

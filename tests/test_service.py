@@ -276,3 +276,44 @@ def test_manifest_encoded_from_commits_equals_the_engines(tmp_path, meta_server)
         assert [f["path"] for f in per_rank[1]["files"]] == ["a/b/r1", "r1.meta", "z/r1"]
     finally:
         local.close()
+
+
+def test_group_commit_answers_every_rank_when_acknowledging_fails():
+    """The group-commit threads hand each written batch to the loop; if that hand-off fails
+    (a bug), every rank of the batch still gets an answer (EIO), never a hang, and the
+    pipeline shuts down when its nursery is cancelled."""
+    import trio
+
+    from metadata.groupcommit import GroupCommit
+    from metadata.service import _Slot
+
+    class Engine:
+        def prepare_commits(self, items: list) -> tuple:
+            return [None] * len(items), items
+
+        def write_commits(self, prepared: tuple) -> list:
+            return [{"rank": t[2]} for t in prepared[1]]
+
+        def apply_pending(self, limit: int) -> int:
+            return 0
+
+    def acknowledge(batch: list, results: list) -> None:
+        raise RuntimeError("a bug while answering")
+
+    async def main() -> list:
+        group = GroupCommit(Engine(), acknowledge, busy=lambda: False)
+        slots = [_Slot() for _ in range(5)]
+        errors = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(group.run)
+            for r, slot in enumerate(slots):
+                group.submit(("job", 1, r, [], ""), slot)
+            with trio.fail_after(30):
+                for slot in slots:
+                    with pytest.raises(MetaError) as e:
+                        await slot.get()
+                    errors.append(e.value.errno)
+            nursery.cancel_scope.cancel()
+        return errors
+
+    assert trio.run(main) == [errno.EIO] * 5
