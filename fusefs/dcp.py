@@ -558,7 +558,7 @@ class _ChunkFile:
         """Is this write a view of the item's own storage (safe to keep without a copy)?"""
         if self._source is None or mv.nbytes < _KEEP_MIN:
             return False
-        addr = np.frombuffer(mv, dtype=np.uint8).ctypes.data
+        addr = _address(mv)
         lo, n = self._source
         return lo <= addr and addr + mv.nbytes <= lo + n
 
@@ -734,6 +734,11 @@ def _envelope_key(t: torch.Tensor) -> tuple | None:
     return (t.dtype, tuple(t.shape), t.stride())
 
 
+def _address(mv: memoryview) -> int:
+    """Where a buffer's bytes start in memory (read-only buffers too)."""
+    return np.frombuffer(mv, dtype=np.uint8).ctypes.data
+
+
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
@@ -748,7 +753,7 @@ class _Recorder:
 
     def write(self, b: Any) -> int:
         mv = memoryview(b)
-        if mv.nbytes == self.n and np.frombuffer(mv, dtype=np.uint8).ctypes.data == self.addr:
+        if mv.nbytes == self.n and _address(mv) == self.addr:
             self.parts.append(None)
         else:
             self.parts.append(bytes(mv))  # torch reuses its small buffers: copy now

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import trio
 
 from chunkstore import codec
-from chunkstore.ids import chunk_id, pieces_id
+from chunkstore.ids import pieces_id
 from fusefs.volume import Volume
 from metadata.engine import Attr, Extent, NewChunk
 
@@ -298,8 +298,9 @@ class DirtyBlock:
         return len(self.buf)
 
 
-def _joined(data: bytes | memoryview | Pieces) -> bytes | memoryview:
-    return b"".join(data.parts) if isinstance(data, Pieces) else data
+def _parts(data: bytes | memoryview | Pieces) -> list[bytes | memoryview]:
+    """A block's bytes as a list of buffers (a Pieces' own, else the one buffer)."""
+    return list(data.parts) if isinstance(data, Pieces) else [data]
 
 
 def _zeros(n: int) -> bytes:
@@ -560,9 +561,7 @@ class FileCache:
             self._changed.unpark_all()
 
     def _chunk_id(self, data: memoryview | Pieces) -> bytes:
-        if isinstance(data, Pieces):
-            return pieces_id(data.parts, self.vol.seed)
-        return chunk_id(data, self.vol.seed)
+        return pieces_id(_parts(data), self.vol.seed)
 
     def _hash_and_store(self, data: memoryview | Pieces) -> tuple[bytes, NewChunk | None]:
         """Worker thread: id, one "is it known?" query, and the store if it is not."""
@@ -575,11 +574,12 @@ class FileCache:
         """Worker thread: encode and store a new chunk; staged unsynced when the tier can."""
         tier = self.vol.tier
         if getattr(tier, "durability", None) != "local" or not hasattr(tier, "sync_staged"):
-            return self.vol.store_chunk(cid, _joined(data))
+            parts = _parts(data)
+            return self.vol.store_chunk(cid, parts[0] if len(parts) == 1 else b"".join(parts))
         # Staged raw; the uploader compresses (codec.transcoder), off the save's critical path.
         # Encoding here ran the float codec inline: the 8-thread torch.save workload took
         # 5.2 s for step 1 and 3.3 s for step 2 encoded, 2.1-2.3 s and 1.4 s raw.
-        parts = codec.raw_parts(list(data.parts) if isinstance(data, Pieces) else [data])
+        parts = codec.raw_parts(_parts(data))
         stored = sum(memoryview(p).nbytes for p in parts)
         state = tier.put(cid, parts, sync=False)
         with self._unsynced_lock:

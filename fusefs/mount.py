@@ -38,6 +38,7 @@ import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pyfuse3
 import trio
@@ -160,20 +161,18 @@ class CkptFS(pyfuse3.Operations):
         never waits for the workers' write transactions) and see every committed write.
         Where SQLite would make it wait (WAL recovery after a crash), the connection gives
         up within READER_BUSY and the read goes to a worker as before."""
-        if self.reader is not None:
-            try:
-                return self.reader.getattr(ino)
-            except sqlite3.OperationalError as e:
-                log.debug("inline getattr of %d: %s; via a worker", ino, e)
-        return await self.meta(self.vol.meta.getattr, ino)
+        return await self._read("getattr", ino)
 
     async def _lookup(self, parent: int, name: bytes) -> Attr:
+        return await self._read("lookup", parent, name)
+
+    async def _read(self, method: str, *args: Any) -> Attr:
         if self.reader is not None:
             try:
-                return self.reader.lookup(parent, name)
+                return getattr(self.reader, method)(*args)
             except sqlite3.OperationalError as e:
-                log.debug("inline lookup in %d: %s; via a worker", parent, e)
-        return await self.meta(self.vol.meta.lookup, parent, name)
+                log.debug("inline %s%r: %s; via a worker", method, args, e)
+        return await self.meta(getattr(self.vol.meta, method), *args)
 
     def _view(self, a: Attr) -> Attr:
         """The engine's attributes, with the size and mtime of unflushed writes."""
@@ -243,7 +242,7 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def setattr(self, inode, attr, fields, fh, ctx):
-        cur = await self.meta(self.vol.meta.getattr, inode)
+        cur = await self._getattr(inode)
         kw: dict = {}
         if fields.update_mode:
             if ctx.uid not in (0, cur.uid) and (attr.st_mode & 0o7777) != (
@@ -373,7 +372,7 @@ class CkptFS(pyfuse3.Operations):
     # -- directories -------------------------------------------------------------
     @handler
     async def opendir(self, inode, ctx):
-        a = await self.meta(self.vol.meta.getattr, inode)
+        a = await self._getattr(inode)
         if not a.is_dir:
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         return inode
@@ -454,7 +453,7 @@ class CkptFS(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         st = self.cache.states.get(inode)
         if st is None:
-            a = await self.meta(self.vol.meta.getattr, inode)
+            a = await self._getattr(inode)
             if a.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
             if not a.is_reg:
@@ -564,7 +563,7 @@ class CkptFS(pyfuse3.Operations):
 
     async def _info(self, inode: int, key: bytes) -> bytes:
         """The read-only user.ckptfs.* attributes, computed from the committed extents."""
-        a = await self.meta(self.vol.meta.getattr, inode)
+        a = await self._getattr(inode)
         if not a.is_reg:
             raise pyfuse3.FUSEError(errno.ENODATA)
         extents = await self.meta(self.vol.meta.get_extents, inode)
@@ -667,10 +666,9 @@ def _tune_malloc() -> None:
 
 def _local_reader(vol: Volume) -> SqliteEngine | None:
     """A second connection to a local SQLite metadata file, for CkptFS._getattr/_lookup."""
-    path = getattr(vol.meta, "path", None)
-    if type(vol.meta) is not SqliteEngine or not path:
+    if type(vol.meta) is not SqliteEngine:
         return None
-    return SqliteEngine(path, busy_timeout=READER_BUSY)
+    return SqliteEngine(vol.meta.path, busy_timeout=READER_BUSY)
 
 
 def serve(

@@ -79,7 +79,6 @@ class GroupCommit:
         self._gc_held: float | None = None  # when cyclic GC was turned off
         self.journal_dirty = True  # a previous run may have left pending references
         self.last_request = 0.0  # time.monotonic() of the latest request (set by the loop)
-        self.stats = {"batches": 0, "batched_commits": 0, "journal_slices": 0}
 
     # -- the loop's side -------------------------------------------------------
     def submit(self, item: tuple, slot: Any) -> None:
@@ -114,8 +113,6 @@ class GroupCommit:
 
     def _acknowledged(self, batch: list, results: list) -> None:
         """On the loop: hand a written batch's outcomes to the service."""
-        self.stats["batches"] += 1
-        self.stats["batched_commits"] += len(batch)
         try:
             self._acknowledge(batch, results)
         except Exception as e:  # noqa: BLE001 - a bug here must not take the loop down
@@ -202,7 +199,6 @@ class GroupCommit:
                 self._ready.wait(1.0)
             return
         self.journal_dirty = bool(left)
-        self.stats["journal_slices"] += 1
 
     # -- cyclic GC ----------------------------------------------------------------
     def _gc_hold(self) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 import trio
 
-from metadata.checkpoints import WireFile, pack_files
+from metadata.checkpoints import file_fields, pack_files
 from metadata.engine import MetaEngine, MetaError
 from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
@@ -197,10 +197,7 @@ def _encode_manifest(head: dict, files: dict[int, list]) -> tuple[dict, Any, dic
     for rank in sorted(files):
         rows = []
         for f in pack_files(files[rank]):
-            if type(f) is WireFile:
-                p, size, ext = f.path, f.size, f.extents
-            else:
-                p, size, ext = f["path"], f["size"], f.get("extents", b"")
+            p, size, ext, _ = file_fields(f)
             raw = os.fsencode(p) if isinstance(p, str) else bytes(p)
             rows.append((raw, int(size), bytes(ext)))
         rows.sort(key=lambda r: r[0])

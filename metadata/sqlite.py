@@ -108,14 +108,7 @@ class SqliteEngine(SqlEngine):
 
     def _start_writeback(self) -> None:
         with self._lock:
-            try:
-                fd = os.open(self.path + "-wal", os.O_RDONLY)
-            except FileNotFoundError:
-                return
-            try:
-                start_writeback(fd)
-            finally:
-                os.close(fd)
+            self._on_wal(start_writeback)
 
     def _wal_bytes(self) -> int:
         try:
@@ -124,12 +117,17 @@ class SqliteEngine(SqlEngine):
             return 0
 
     def _sync_wal(self) -> None:
+        self._on_wal(os.fsync)
+
+    def _on_wal(self, fn) -> None:
+        """fn(fd) on the WAL file; nothing if checkpointed and removed (the database file
+        holds every commit then)."""
         try:
             fd = os.open(self.path + "-wal", os.O_RDONLY)
         except FileNotFoundError:
-            return  # checkpointed and removed: the database file holds the commit
+            return
         try:
-            os.fsync(fd)
+            fn(fd)
         finally:
             os.close(fd)
 
