@@ -13,8 +13,8 @@ one JSON object per engine:
   baseline_rpc_ms     N pipelined no-op RPCs (`ping`, answered on the service's
                       reader) from the same workers: the protocol floor the
                       ratios are taken against
-  latest_rpc_ms       N pipelined `latest` RPCs (a database read and a thread
-                      hop each): what a request costs that is not special-cased
+  latest_rpc_ms       N pipelined `latest` RPCs of one job, as at a restart:
+                      answered in batches by the service's read thread
 
 Usage: python -m bench.commit --ranks 4096 [--engine sqlite|postgres|both]
 """

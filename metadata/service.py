@@ -5,8 +5,8 @@ pipelines requests. The connection's reader decodes each request and routes
 it without a task where it can; answers are queued to one writer task per
 connection that sends everything ready in one write. Requests that need the
 engine run as tasks, blocking calls in worker threads under one
-CapacityLimiter. Three requests get special handling because thousands of
-ranks send them at the same moment:
+CapacityLimiter. Four kinds of request get special handling because thousands
+of ranks send them at the same moment:
 
 - commit_rank: queued for group commit (no task; see groupcommit.py): a
   validation thread checks everything waiting at once, and a writer thread
@@ -17,7 +17,9 @@ ranks send them at the same moment:
   once, whole and per rank; a request for a built step is answered on the
   reader, from that encoding, with no thread hop and no database access;
 - wait_published: answered from in-memory terminal states, woken by local
-  publishes, with a slow database poll for steps published elsewhere.
+  publishes, with a slow database poll for steps published elsewhere;
+- plain reads (latest, lookup, getattr, ...): queued to one thread that runs
+  everything waiting as a batch, identical calls once (see readbatch.py).
 
 Mutating requests carry idempotency keys; a retry of a key answers with the
 first outcome (within this process's lifetime; checkpoint calls are also
@@ -46,6 +48,7 @@ from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
     MAX_FRAME,
     PROTO_VERSION,
+    READ_METHODS,
     REMOTE_METHODS,
     FrameDecoder,
     ProtocolError,
@@ -55,6 +58,7 @@ from metadata.protocol import (
     parse_hello,
     parse_request,
 )
+from metadata.readbatch import ReadBatcher
 
 log = logging.getLogger("ckptfs.meta")
 
@@ -66,6 +70,8 @@ STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
 GC_GEN0 = 50_000  # allocations between young-generation collections (default 700)
 SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits
+# Reads answered in batches by one thread (readbatch.py); the others are special-cased.
+BATCHED_READS = READ_METHODS - {"ping", "get_config", "manifest", "wait_published"}
 
 
 def absolute_config(config: dict, base_dir: str | None) -> dict:
@@ -226,6 +232,7 @@ class MetaService:
         self.limiter = trio.CapacityLimiter(threads)
         self._building = 0  # manifests being built: the fan-out comes next, don't apply
         self._group = GroupCommit(engine, self._acknowledge, busy=lambda: self._building > 0)
+        self._reads = ReadBatcher(engine)
         self._idem: OrderedDict[bytes, _Slot] = OrderedDict()
         self._manifests: OrderedDict[tuple, _Slot] = OrderedDict()
         # (job, step) -> {rank: files} of the commits this process wrote: at publish the
@@ -255,6 +262,7 @@ class MetaService:
             self._nursery = nursery
             listeners = await trio.open_tcp_listeners(port, host=host)
             nursery.start_soon(self._group.run)
+            nursery.start_soon(self._reads.run)
             nursery.start_soon(self._expirer)
             task_status.started(listeners[0].socket.getsockname()[1])
             await trio.serve_listeners(self._handle, listeners)
@@ -377,6 +385,9 @@ class MetaService:
                     self.stats["inline"] += 1
                     slot.set(self._manifest_answer(entry.result, rank))
                     return
+            elif method in BATCHED_READS:
+                self._reads.submit(method, args, kwargs, slot)
+                return
         except (TypeError, ValueError, MetaError) as e:
             slot.set(error=e)  # bad arguments: an outcome, like any engine refusal
             return

@@ -317,3 +317,85 @@ def test_group_commit_answers_every_rank_when_acknowledging_fails():
         return errors
 
     assert trio.run(main) == [errno.EIO] * 5
+
+
+def test_read_batches_share_identical_calls_and_never_a_running_read():
+    """Reads queued together run as one batch, identical calls once. A read queued while
+    an identical one is running is not given that (possibly stale) answer: it runs again
+    and sees every write made before it was queued."""
+    import trio
+
+    from metadata.readbatch import ReadBatcher
+    from metadata.service import _Slot
+
+    class Engine:
+        def __init__(self) -> None:
+            self.value = 1
+            self.calls = 0
+            self.entered = threading.Event()
+            self.release = threading.Event()
+
+        def latest(self, job: str) -> int:
+            self.calls += 1
+            value = self.value  # what this read saw
+            if job == "slow" and not self.entered.is_set():
+                self.entered.set()
+                self.release.wait(30)
+            return value
+
+        def step_state(self, job: str, step: int) -> dict:
+            raise MetaError(errno.ENOENT, f"no step {step} of {job}")
+
+    eng = Engine()
+
+    async def main() -> tuple:
+        reads = ReadBatcher(eng)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reads.run)
+            with trio.fail_after(30):
+                many = [_Slot() for _ in range(500)]
+                for s in many:
+                    reads.submit("latest", ["job"], {}, s)
+                other, missing, bogus = _Slot(), _Slot(), _Slot()
+                reads.submit("latest", ["job2"], {}, other)
+                reads.submit("step_state", ["job", 7], {}, missing)
+                reads.submit("no_such_read", [], {}, bogus)
+                answers = [await s.get() for s in many] + [await other.get()]
+                with pytest.raises(MetaError) as e1:
+                    await missing.get()
+                with pytest.raises(MetaError) as e2:
+                    await bogus.get()
+                calls_first = eng.calls
+
+                slow = _Slot()
+                reads.submit("latest", ["slow"], {}, slow)
+                await trio.to_thread.run_sync(eng.entered.wait, 30)
+                eng.value = 2  # a write acknowledged while the first read runs...
+                later = _Slot()
+                reads.submit("latest", ["slow"], {}, later)  # ...then this read is queued
+                eng.release.set()
+                first, second = await slow.get(), await later.get()
+            nursery.cancel_scope.cancel()
+        return answers, e1.value.errno, e2.value.errno, calls_first, first, second
+
+    answers, err_missing, err_bogus, calls_first, first, second = trio.run(main)
+    assert answers == [1] * 501
+    assert err_missing == errno.ENOENT and err_bogus == errno.EIO
+    assert calls_first < 100, f"{calls_first} engine calls for 501 reads of two keys"
+    assert (first, second) == (1, 2), "a read queued after a write got a stale answer"
+
+
+def test_pipelined_reads_over_the_wire_see_each_write(served):
+    c = connect(served.url)
+    vol = Volume(c, c.get_config())
+    vol.write_file("/d/a", b"x")
+    futs = [c.submit("lookup", 1, b"d") for _ in range(200)]
+    inos = {f.result(timeout=60).ino for f in futs}
+    assert len(inos) == 1
+    vol.write_file("/d/b", b"yy")
+    futs = [c.submit("readdir", next(iter(inos)), 0) for _ in range(50)]
+    assert all(sorted(e.name for e in f.result(timeout=60)) == [b"a", b"b"] for f in futs)
+    with pytest.raises(MetaError) as e:
+        c.lookup(1, b"nope")
+    assert e.value.errno == errno.ENOENT
+    vol.close()
