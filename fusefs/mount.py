@@ -52,7 +52,6 @@ from metadata.sqlite import SqliteEngine
 log = logging.getLogger("ckptfs.mount")
 
 ENTRY_TIMEOUT = 1.0
-READER_BUSY = 0.1  # seconds an inline read may wait for SQLite before going to a worker
 ATTR_TIMEOUT = 1.0
 BLKSIZE = 1 << 20  # st_blksize: stdio, cp and dd pick their buffer size from it
 CONTROL_FLUSH = b"user.ckptfs.flush"  # setxattr on the root: drain the write-behind tier
@@ -100,7 +99,7 @@ class CkptFS(pyfuse3.Operations):
         super().__init__()
         self.vol = vol
         self.mountpoint = mountpoint
-        self.reader = _local_reader(vol)
+        self.local = _local_engine(vol)
         self.cache: FileCache | None = None
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
@@ -126,8 +125,8 @@ class CkptFS(pyfuse3.Operations):
                 await self.reap_all()
                 bg.cancel_scope.cancel()
         finally:
-            if self.reader is not None:
-                self.reader.close()
+            if self.local is not None:
+                self.local.close()
 
     async def _signals(self) -> None:
         import signal
@@ -152,27 +151,29 @@ class CkptFS(pyfuse3.Operations):
         return await self.cache.meta(fn, *args, **kw)
 
     async def _getattr(self, ino: int) -> Attr:
-        """An inode's attributes, read right here when the metadata is a local SQLite file.
-
-        A lookup or getattr is a ~20 us query, and its round trip through a worker thread
-        cost the loop ~150 us more: creating a small file (lookup, create, getattr, write,
-        flush, release) spent half its daemon CPU on such trips. S3QL runs all its
-        metadata queries on the loop; these run on a connection of their own (WAL: a read
-        never waits for the workers' write transactions) and see every committed write.
-        Where SQLite would make it wait (WAL recovery after a crash), the connection gives
-        up within READER_BUSY and the read goes to a worker as before."""
-        return await self._read("getattr", ino)
+        return await self._local_call("getattr", ino)
 
     async def _lookup(self, parent: int, name: bytes) -> Attr:
-        return await self._read("lookup", parent, name)
+        return await self._local_call("lookup", parent, name)
 
-    async def _read(self, method: str, *args: Any) -> Attr:
-        if self.reader is not None:
+    async def _local_call(self, method: str, *args: Any, **kw: Any) -> Any:
+        """A short metadata call, run right here when the metadata is a local SQLite file.
+
+        A lookup or getattr is a ~20 us query and a create ~150 us, and each round trip
+        through a worker thread cost the loop ~150 us of CPU more (and the request ~0.8 ms):
+        creating a small file (lookup, create, getattr, write, flush, release) spent half
+        its daemon CPU on such trips. S3QL runs all its metadata queries on the loop.
+        These run on a connection of their own that never waits: where SQLite would make
+        it wait (a worker holds the write lock, WAL recovery after a crash) it fails at
+        once with nothing done, and the call goes to a worker as before. It never runs a
+        WAL checkpoint either (the workers' connection does). Reads see every committed
+        write (WAL); the calls allowed here are only those that touch a few rows."""
+        if self.local is not None:
             try:
-                return getattr(self.reader, method)(*args)
+                return getattr(self.local, method)(*args, **kw)
             except sqlite3.OperationalError as e:
                 log.debug("inline %s%r: %s; via a worker", method, args, e)
-        return await self.meta(getattr(self.vol.meta, method), *args)
+        return await self.meta(getattr(self.vol.meta, method), *args, **kw)
 
     def _view(self, a: Attr) -> Attr:
         """The engine's attributes, with the size and mtime of unflushed writes."""
@@ -218,14 +219,9 @@ class CkptFS(pyfuse3.Operations):
         return ctx.uid, gid, mode
 
     async def _make(self, parent_inode: int, name: bytes, mode: int, ctx, **kw) -> Attr:
-        """Create an inode owned as `_owner` says, in one worker call (no separate getattr)."""
-
-        def make() -> Attr:
-            parent = self.vol.meta.getattr(parent_inode)
-            uid, gid, m = self._owner(parent, ctx, mode)
-            return self.vol.meta.create(parent_inode, name, m, uid, gid, **kw)
-
-        return await self.meta(make)
+        """Create an inode owned as `_owner` says."""
+        uid, gid, m = self._owner(await self._getattr(parent_inode), ctx, mode)
+        return await self._local_call("create", parent_inode, name, m, uid, gid, **kw)
 
     # -- namespace -------------------------------------------------------------
     @handler
@@ -269,7 +265,10 @@ class CkptFS(pyfuse3.Operations):
             kw["size"] = attr.st_size
         if st is not None and (fields.update_size or fields.update_mtime):
             await self.cache.commit(st)  # unflushed writes land first, then the change
-        new = await self.meta(lambda: self.vol.meta.setattr(inode, **kw))
+        if fields.update_size:  # may drop chunk references: not on the loop
+            new = await self.meta(lambda: self.vol.meta.setattr(inode, **kw))
+        else:
+            new = await self._local_call("setattr", inode, **kw)
         if st is not None:
             if fields.update_size:
                 st.size = new.size
@@ -299,21 +298,21 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._ref(await self.meta(self.vol.meta.link, inode, new_parent_inode, new_name))
+        return self._ref(await self._local_call("link", inode, new_parent_inode, new_name))
 
     @handler
     async def unlink(self, parent_inode, name, ctx):
-        after = await self.meta(self.vol.meta.unlink, parent_inode, name)
+        after = await self._local_call("unlink", parent_inode, name)
         await self._maybe_orphan(after)
 
     @handler
     async def rmdir(self, parent_inode, name, ctx):
-        await self.meta(self.vol.meta.rmdir, parent_inode, name)
+        await self._local_call("rmdir", parent_inode, name)
 
     @handler
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
-        replaced = await self.meta(
-            self.vol.meta.rename, parent_inode_old, name_old, parent_inode_new, name_new, flags
+        replaced = await self._local_call(
+            "rename", parent_inode_old, name_old, parent_inode_new, name_new, flags
         )
         if replaced is not None:
             await self._maybe_orphan(replaced)
@@ -664,11 +663,11 @@ def _tune_malloc() -> None:
         log.debug("malloc not tuned: %s", e)
 
 
-def _local_reader(vol: Volume) -> SqliteEngine | None:
-    """A second connection to a local SQLite metadata file, for CkptFS._getattr/_lookup."""
+def _local_engine(vol: Volume) -> SqliteEngine | None:
+    """A second connection to a local SQLite metadata file, for CkptFS._local_call."""
     if type(vol.meta) is not SqliteEngine:
         return None
-    return SqliteEngine(vol.meta.path, busy_timeout=READER_BUSY)
+    return SqliteEngine(vol.meta.path, busy_timeout=0, checkpoints=False)
 
 
 def serve(

@@ -63,8 +63,12 @@ WAL_DEFER_MAX = 512 << 20  # a durable commit defers the WAL copy up to this WAL
 
 
 class SqliteEngine(SqlEngine):
-    def __init__(self, path: str, *, busy_timeout: float = 60.0) -> None:
+    def __init__(self, path: str, *, busy_timeout: float = 60.0, checkpoints: bool = True) -> None:
+        """checkpoints=False: this connection never copies the WAL into the database
+        (the mount's inline connection, whose commits run on the trio loop: a checkpoint
+        there would stall every request; the workers' connection does them)."""
         self.path = path
+        self._auto = WAL_AUTOCHECKPOINT if checkpoints else 0
         self._conn = sqlite3.connect(
             path,
             isolation_level=None,
@@ -76,6 +80,8 @@ class SqliteEngine(SqlEngine):
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.execute("PRAGMA foreign_keys=OFF")
+        if not checkpoints:
+            self._conn.execute("PRAGMA wal_autocheckpoint=0")
         self._lock = threading.RLock()
         self._depth = 0
         self._full = False  # the connection is at synchronous=FULL
@@ -92,13 +98,18 @@ class SqliteEngine(SqlEngine):
             self._conn.execute(f"PRAGMA synchronous={'FULL' if want else 'NORMAL'}")
             self._full = want
         if defer != self._deferring:
-            auto = 0 if defer else WAL_AUTOCHECKPOINT
+            auto = 0 if defer else self._auto
             self._conn.execute(f"PRAGMA wal_autocheckpoint={auto}")
             self._deferring = defer
         self._conn.execute("BEGIN IMMEDIATE")
 
     def _end(self, *, commit: bool) -> None:
-        self._conn.execute("COMMIT" if commit else "ROLLBACK")
+        try:
+            self._conn.execute("COMMIT" if commit else "ROLLBACK")
+        except sqlite3.OperationalError:
+            if self._conn.in_transaction:  # a failed COMMIT leaves it open: end it
+                self._conn.execute("ROLLBACK")
+            raise
         if commit and self._want_durable is True and not self._full:
             self._sync_wal()  # a durable call nested in an ordinary transaction
 

@@ -395,6 +395,53 @@ def test_second_mount_sees_file_after_close(new_volume, mount_factory):
     assert _read(a.path("shared.bin")) == b"v2"
 
 
+def test_namespace_calls_wait_for_a_busy_database_without_stalling_the_mount(
+    new_volume, mount_factory
+):
+    """Namespace calls run inline on the mount's loop when SQLite lets them. While another
+    process holds the write lock they go to a worker and wait there: each is applied once,
+    and the mount keeps answering reads meanwhile."""
+    import sqlite3
+
+    vol = new_volume()
+    m = mount_factory(vol)
+    os.mkdir(os.path.join(m.mp, "d"))
+    _write(os.path.join(m.mp, "d", "old"), b"x")
+    db = sqlite3.connect(os.path.join(vol, "meta.db"), isolation_level=None)
+    db.execute("BEGIN IMMEDIATE")  # the write lock, as a busy writer elsewhere holds it
+    done: list[str] = []
+
+    def namespace_work() -> None:
+        os.mkdir(os.path.join(m.mp, "d", "sub"))
+        _write(os.path.join(m.mp, "d", "new"), b"y")
+        os.rename(os.path.join(m.mp, "d", "old"), os.path.join(m.mp, "d", "renamed"))
+        os.chmod(os.path.join(m.mp, "d", "new"), 0o600)
+        os.unlink(os.path.join(m.mp, "d", "renamed"))
+        done.append("ok")
+
+    t = threading.Thread(target=namespace_work)
+    t.start()
+    time.sleep(1.0)
+    assert not done, "a namespace change went through while the database was locked"
+    # The loop still answers meanwhile (lookups never wait). Not inside d/: the kernel
+    # holds d's lock while our mkdir there waits.
+    t0 = time.monotonic()
+    assert not os.path.exists(os.path.join(m.mp, "no-such-name"))
+    assert os.path.isdir(os.path.join(m.mp, "d"))
+    assert time.monotonic() - t0 < 0.5, "the mount's loop waited for the database"
+    db.execute("ROLLBACK")
+    t.join(timeout=60)
+    assert done == ["ok"]
+    assert sorted(os.listdir(os.path.join(m.mp, "d"))) == ["new", "sub"]
+    assert _read(os.path.join(m.mp, "d", "new")) == b"y"
+    assert os.stat(os.path.join(m.mp, "d", "new")).st_mode & 0o777 == 0o600
+    assert os.stat(os.path.join(m.mp, "d")).st_nlink == 3
+    db.close()
+    m.unmount()
+    m = mount_factory(vol, "again")
+    assert sorted(os.listdir(os.path.join(m.mp, "d"))) == ["new", "sub"]
+
+
 # -- random operations against a model -------------------------------------------------
 def _apply(root: str, op: tuple) -> str | None:
     """Apply one op under root; returns the errno name if it failed (must match the model)."""
