@@ -182,6 +182,7 @@ class CkptFS(pyfuse3.Operations):
             return a
         v = Attr(**a.__dict__)
         v.size, v.mtime_ns = st.size, st.mtime_ns
+        v.ctime_ns = max(v.ctime_ns, st.mtime_ns)  # a write changes ctime too
         return v
 
     def _ref(self, a: Attr) -> pyfuse3.EntryAttributes:
@@ -457,7 +458,7 @@ class CkptFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EISDIR)
             if not a.is_reg:
                 raise pyfuse3.FUSEError(errno.EINVAL)
-            if flags & os.O_TRUNC and a.size:
+            if flags & os.O_TRUNC:  # marks mtime and ctime even if already empty (POSIX)
                 a = await self.meta(lambda: self.vol.meta.setattr(inode, size=0))
             keep = self.page_gen.get(inode) == a.generation
             if not keep and inode in self.page_gen:
@@ -466,7 +467,7 @@ class CkptFS(pyfuse3.Operations):
         else:
             st.opens += 1
             try:
-                if flags & os.O_TRUNC and st.size:
+                if flags & os.O_TRUNC:
                     await self._truncate(st, 0)
             except BaseException:
                 st.opens -= 1
@@ -538,16 +539,14 @@ class CkptFS(pyfuse3.Operations):
             return await self._flush_tier()
         if name.startswith(INFO_PREFIX):
             raise pyfuse3.FUSEError(errno.EPERM)
-        if not name.startswith((b"user.", b"trusted.")):
-            raise pyfuse3.FUSEError(errno.ENOTSUP)
+        _check_xattr_name(name)
         await self.meta(self.vol.meta.set_xattr, inode, name, value)
 
     @handler
     async def getxattr(self, inode, name, ctx):
         if name.startswith(INFO_PREFIX) and name[len(INFO_PREFIX) :] in INFO_NAMES:
             return await self._info(inode, name[len(INFO_PREFIX) :])
-        if not name.startswith((b"user.", b"trusted.")):
-            raise pyfuse3.FUSEError(errno.ENODATA)
+        _check_xattr_name(name)
         return await self.meta(self.vol.meta.get_xattr, inode, name)
 
     @handler
@@ -558,6 +557,7 @@ class CkptFS(pyfuse3.Operations):
     async def removexattr(self, inode, name, ctx):
         if name.startswith(INFO_PREFIX):
             raise pyfuse3.FUSEError(errno.EPERM)
+        _check_xattr_name(name)
         await self.meta(self.vol.meta.remove_xattr, inode, name)
 
     async def _info(self, inode: int, key: bytes) -> bytes:
@@ -661,6 +661,17 @@ def _tune_malloc() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 128 * 2**20)
     except (OSError, AttributeError) as e:
         log.debug("malloc not tuned: %s", e)
+
+
+def _check_xattr_name(name: bytes) -> None:
+    """Namespaces stored here: user.* and trusted.*, as Linux filesystems answer: another
+    namespace is not supported (EOPNOTSUPP), a name with nothing after it is invalid."""
+    for ns in (b"user.", b"trusted."):
+        if name.startswith(ns):
+            if len(name) == len(ns):
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            return
+    raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
 
 
 def _local_engine(vol: Volume) -> SqliteEngine | None:

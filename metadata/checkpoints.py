@@ -473,12 +473,7 @@ class CheckpointMixin:
             if self._ns_exists(c, dest):
                 raise MetaError(errno.EEXIST, f"checkpoint path {dest!r} already exists")
             now = _now()
-            root = self._one(
-                c,
-                "INSERT INTO inodes (mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, "
-                "generation, target) VALUES (?,2,0,0,0,?,?,?,0,0,?) RETURNING ino",
-                (stat.S_IFDIR | 0o755, now, now, now, b""),
-            )[0]
+            root = self._new_dir_inode(c, now)
             self._x(
                 c,
                 "INSERT INTO ckpt_steps (job, step, world_size, state, path, root, created, "
@@ -486,6 +481,18 @@ class CheckpointMixin:
                 (job, step, world_size, OPEN, dest, root, now, now + int(deadline_s * 1e9)),
             )
             return self._brief(c, job, step)
+
+    def _new_dir_inode(self, c: Any, now: int) -> int:
+        """A root-owned 0755 directory inode (no entry yet): a step's root, or a missing
+        directory on its publish path."""
+        ino = self._alloc_inos(c, 1)[0]
+        self._x(
+            c,
+            "INSERT INTO inodes (ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, "
+            "generation, target) VALUES (?,?,2,0,0,0,?,?,?,0,0,?)",
+            (ino, stat.S_IFDIR | 0o755, now, now, now, b""),
+        )
+        return ino
 
     def _ns_exists(self, c: Any, dest: bytes) -> bool:
         ino = ROOT_INO
@@ -894,13 +901,7 @@ class CheckpointMixin:
                     (parent, name),
                 )
                 if row is None:
-                    now = _now()
-                    ino = self._one(
-                        c,
-                        "INSERT INTO inodes (mode, nlink, uid, gid, size, atime, mtime, ctime, "
-                        "rdev, generation, target) VALUES (?,2,0,0,0,?,?,?,0,0,?) RETURNING ino",
-                        (stat.S_IFDIR | 0o755, now, now, now, b""),
-                    )[0]
+                    ino = self._new_dir_inode(c, _now())
                     self._x(
                         c,
                         "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)",

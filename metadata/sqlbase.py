@@ -46,6 +46,7 @@ from metadata.retention import RetentionMixin
 
 _ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation"
 XATTR_MAX = 64 * 1024
+INO_HWM = "ino_hwm"  # config key: the highest inode number ever handed out
 BULK_ROWS = 512  # rows per multi-row INSERT (a power of two; times 13 columns < 32766,
 # SQLite's bound-parameter limit since 3.32)
 
@@ -333,9 +334,24 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
     _bulk_sql_cache: dict[tuple[str, str, int], str] = {}  # noqa: RUF012 - text, shared
 
     def _alloc_inos(self, c: Any, n: int) -> list[int]:
-        """Reserve n inode numbers for a bulk insert (the write lock is held)."""
+        """Reserve n inode numbers (the write lock is held), never one handed out before.
+
+        The kernel keys its inodes by number, and a FUSE generation of 0 says a number
+        always means the same inode: a directory removed while a process still held it,
+        then made again under a reused number, stayed unusable (ENOENT) until a remount.
+        SQLite would reuse the largest number once its row is deleted, so the highest
+        number ever given is kept in `config` (PostgreSQL's identity sequence never
+        reuses one)."""
+        row = self._one(c, "SELECT value FROM config WHERE key = ?", (INO_HWM,))
         top = self._one(c, "SELECT COALESCE(MAX(ino), 0) FROM inodes")[0]
-        return list(range(int(top) + 1, int(top) + 1 + n))
+        top = max(int(top), int(row[0]) if row else 0)
+        self._x(
+            c,
+            "INSERT INTO config (key, value) VALUES (?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            (INO_HWM, str(top + n)),
+        )
+        return list(range(top + 1, top + 1 + n))
 
     def _drop_inode_if_orphan(self, c: Any, ino: int, open_inodes: bool = False) -> None:
         row = self._one(c, "SELECT nlink, mode FROM inodes WHERE ino = ?", (ino,))
@@ -373,13 +389,13 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             now = _now()
             nlink = 2 if kind == stat.S_IFDIR else 1
             size = len(target) if kind == stat.S_IFLNK else 0
-            row = self._one(
+            ino = self._alloc_inos(c, 1)[0]
+            self._x(
                 c,
-                "INSERT INTO inodes (mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, "
-                "generation, target) VALUES (?,?,?,?,?,?,?,?,0,0,?) RETURNING ino",
-                (mode, nlink, uid, gid, size, now, now, now, target),
+                "INSERT INTO inodes (ino, mode, nlink, uid, gid, size, atime, mtime, ctime, "
+                "rdev, generation, target) VALUES (?,?,?,?,?,?,?,?,?,0,0,?)",
+                (ino, mode, nlink, uid, gid, size, now, now, now, target),
             )
-            ino = row[0]
             self._x(
                 c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino)
             )
@@ -507,6 +523,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     c, "DELETE FROM dentries WHERE parent = ? AND name = ?", (new_parent, new_name)
                 )
                 if dst.is_dir:
+                    self._x(c, "DELETE FROM xattrs WHERE ino = ?", (dst.ino,))
                     self._x(c, "DELETE FROM inodes WHERE ino = ?", (dst.ino,))
                     self._touch_dir(c, new_parent, -1)
                 else:
@@ -568,18 +585,19 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 a.atime_ns = atime_ns
             if mtime_ns is not None:
                 a.mtime_ns = mtime_ns
-            if size is not None and size != a.size:
+            if size is not None:
                 if not a.is_reg:
                     raise MetaError(
                         errno.EISDIR if a.is_dir else errno.EINVAL, "not a regular file"
                     )
                 if size < 0:
                     raise MetaError(errno.EINVAL, f"negative size {size}")
-                if size < a.size:
-                    self._trim_extents(c, ino, size)
-                a.size = size
-                a.generation += 1
-                if mtime_ns is None:
+                if size != a.size:
+                    if size < a.size:
+                        self._trim_extents(c, ino, size)
+                    a.size = size
+                    a.generation += 1
+                if mtime_ns is None:  # a truncate marks mtime even at the same size (Linux)
                     a.mtime_ns = now
             a.ctime_ns = now
             self._x(

@@ -229,6 +229,70 @@ def _digest(root: str) -> dict[str, str]:
     return out
 
 
+def test_directory_remade_while_the_old_one_is_held_open(mounted):
+    """rm -rf out && mkdir out while a process sits in out/: the new directory works (the
+    kernel must not take it for the removed one), and the removed one reads as empty."""
+    d = os.path.join(mounted.mp, "out")
+    os.mkdir(d)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.rmdir(d)
+        os.mkdir(d)
+        _write(os.path.join(d, "f"), b"x")
+        os.mkdir(os.path.join(d, "sub"))
+        assert sorted(os.listdir(d)) == ["f", "sub"]
+        os.mkdir(os.path.join(mounted.mp, "other"))
+        fd2 = os.open(os.path.join(mounted.mp, "other"), os.O_RDONLY)
+        try:  # a directory replaced by a rename, while held open
+            os.rename(os.path.join(d, "sub"), os.path.join(mounted.mp, "other"))
+            os.mkdir(os.path.join(mounted.mp, "other2"))
+            _write(os.path.join(mounted.mp, "other2", "g"), b"y")
+            assert os.listdir(os.path.join(mounted.mp, "other2")) == ["g"]
+        finally:
+            os.close(fd2)
+    finally:
+        os.close(fd)
+
+
+def test_timestamps_of_truncate_and_unflushed_writes(mounted):
+    p = os.path.join(mounted.mp, "t")
+    _write(p, b"")
+    old = os.stat(p)
+    time.sleep(0.05)
+    with open(p, "wb"):  # O_TRUNC of an empty file still marks mtime and ctime (POSIX)
+        pass
+    st = os.stat(p)
+    assert st.st_mtime_ns > old.st_mtime_ns and st.st_ctime_ns > old.st_ctime_ns
+    time.sleep(0.05)
+    os.truncate(p, 0)  # a truncate to the same size too, as on Linux
+    assert os.stat(p).st_mtime_ns > st.st_mtime_ns
+    fd = os.open(p, os.O_WRONLY)
+    try:
+        before = time.time_ns()
+        time.sleep(0.05)
+        os.write(fd, b"data")
+        st = os.fstat(fd)  # not flushed yet: a write changes mtime and ctime alike
+        assert st.st_mtime_ns >= before and st.st_ctime_ns >= st.st_mtime_ns
+    finally:
+        os.close(fd)
+
+
+def test_xattr_namespaces_and_names(mounted):
+    p = os.path.join(mounted.mp, "x")
+    _write(p, b"")
+    for name, want in (("user.", errno.EINVAL), ("foo.bar", errno.EOPNOTSUPP)):
+        with pytest.raises(OSError) as e:
+            os.setxattr(p, name, b"v")
+        assert e.value.errno == want, name
+    with pytest.raises(OSError) as e:
+        os.getxattr(p, "foo.bar")
+    assert e.value.errno == errno.EOPNOTSUPP
+    with pytest.raises(OSError) as e:
+        os.getxattr(p, "user.missing")
+    assert e.value.errno == errno.ENODATA
+    assert os.listxattr(p) == []
+
+
 def test_cp_tar_dd_rsync(mounted, tmp_path):
     src = str(tmp_path / "src")
     _tree(src)

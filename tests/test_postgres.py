@@ -24,6 +24,24 @@ def _cid(tag: bytes) -> bytes:
     return tag.ljust(16, b".")[:16]
 
 
+def test_inode_numbers_are_never_reused(vol):
+    """A freed number, even the highest, is never handed out again (the kernel would take
+    the new inode for the old one), and a directory replaced by a rename takes its xattrs
+    with it."""
+    m = vol.meta
+    a = m.create(ROOT_INO, b"a", stat.S_IFDIR | 0o755, 0, 0)
+    b = m.create(ROOT_INO, b"b", stat.S_IFDIR | 0o755, 0, 0)
+    m.set_xattr(b.ino, b"user.k", b"v")
+    m.rename(ROOT_INO, b"a", ROOT_INO, b"b")  # the highest inode (b) is replaced
+    f = m.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
+    g = m.create(ROOT_INO, b"g", stat.S_IFDIR | 0o755, 0, 0)
+    m.rmdir(ROOT_INO, b"g")  # the highest inode is removed
+    h = m.create(ROOT_INO, b"h", stat.S_IFDIR | 0o755, 0, 0)
+    seen = [a.ino, b.ino, f.ino, g.ino, h.ino]
+    assert seen == sorted(set(seen)), f"an inode number came back: {seen}"
+    assert m.list_xattr(f.ino) == [] and m.list_xattr(h.ino) == []
+
+
 def test_namespace_data_and_refcounts(vol):
     m = vol.meta
     d = m.create(ROOT_INO, b"dir", stat.S_IFDIR | 0o755, 0, 0)
