@@ -39,17 +39,19 @@ from __future__ import annotations
 import bisect
 import errno
 import logging
+import sqlite3
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
 from chunkstore import codec
 from chunkstore.ids import pieces_id
 from fusefs.volume import Volume
-from metadata.engine import Attr, Extent, NewChunk
+from metadata.engine import Attr, Extent, MetaError, NewChunk
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -368,6 +370,7 @@ class _Ask:
 
 
 SMALL_COMMIT = 256 * 1024  # a file that is one block up to this size: store+commit in one call
+INLINE_COMMIT = 64 * 1024  # ...and up to this size hashed on the loop to try an inline commit
 ASK_BATCH = 256  # ids per grouped existence query
 
 
@@ -385,8 +388,10 @@ class FileCache:
         readahead: int = 8,
         workers: int = 6,
         unsynced_max: int = 256 * 2**20,
+        local: Any = None,
     ) -> None:
         self.vol = vol
+        self.local = local  # the mount's inline SQLite connection (CkptFS._local_call), or None
         self.nursery = nursery
         self.block = vol.settings.chunk_size
         self.dirty_max = dirty_max
@@ -706,8 +711,14 @@ class FileCache:
                 return cid, rec, e
             return cid, rec, attr
 
+        known = None
+        if self.local is not None and not chunks and not base and length <= INLINE_COMMIT:
+            known = self._commit_known_inline(st.ino, data, length, size, mtime_ns)
         try:
-            cid, rec, attr = await trio.to_thread.run_sync(work, limiter=self.store_limiter)
+            if known is not None:
+                (cid, attr), rec = known, None
+            else:
+                cid, rec, attr = await trio.to_thread.run_sync(work, limiter=self.store_limiter)
         except Exception as e:  # the store failed: like a failed background store
             log.error("storing the block of inode %d failed: %s", st.ino, e)
             st.error = e
@@ -725,6 +736,26 @@ class FileCache:
         st.attr = attr
         st.committed = version
         return True
+
+    def _commit_known_inline(
+        self, ino: int, data: bytes, length: int, size: int, mtime_ns: int
+    ) -> tuple[bytes, Attr] | None:
+        """A new small file whose content is already stored (the same config or metadata
+        file saved again at every step): the "is it known?" query and the commit run right
+        here, on the mount's inline connection, as its namespace calls do, saving the close
+        a worker round trip. Anything else (new content to store first, a database that
+        would make us wait, any refusal) returns None for the worker path."""
+        cid = self._chunk_id(data)
+        try:
+            if self.local.missing_chunks([cid]):
+                return None
+            attr = self.local.commit_file(
+                ino, [Extent(0, length, cid, 0)], size, [], mtime_ns=mtime_ns
+            )
+        except (sqlite3.OperationalError, MetaError) as e:
+            log.debug("inline commit of inode %d: %s; via a worker", ino, e)
+            return None
+        return cid, attr
 
     async def shutdown(self) -> None:
         """Unmount: publish every file still dirty (best effort, logged)."""

@@ -115,7 +115,7 @@ class CkptFS(pyfuse3.Operations):
         """Serve until unmounted or signalled; then publish what is still dirty."""
         try:
             async with trio.open_nursery() as bg:
-                self.cache = FileCache(self.vol, bg)
+                self.cache = FileCache(self.vol, bg, local=self.local)
                 async with trio.open_nursery() as n:
                     n.start_soon(self._signals)
                     n.start_soon(self._probe, on_ready)

@@ -68,11 +68,29 @@ def test_a_filesystem_refusing_o_direct_gets_a_buffered_write(tmp_path, monkeypa
 
     monkeypatch.setattr(fileio.os, "open", refusing_open)
     monkeypatch.setattr(fileio, "_no_direct", set())
-    data = os.urandom(10_000)
+    data = os.urandom(fileio.DIRECT_MIN + 10_000)
     for name in ("a", "b"):  # the first write meets the refusal, the second skips O_DIRECT
         fileio.write_new(str(tmp_path / name), data, sync=True)
         assert (tmp_path / name).read_bytes() == data
     assert str(tmp_path) in fileio._no_direct
+
+
+def test_only_large_objects_are_written_direct(tmp_path, monkeypatch):
+    """A direct write waits for the device: small objects go through the page cache."""
+    if str(tmp_path) in fileio._no_direct:
+        pytest.skip("this filesystem has no O_DIRECT")
+    real_open, flags_seen = os.open, []
+
+    def recording_open(path, flags, mode=0o777):
+        flags_seen.append(flags)
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(fileio.os, "open", recording_open)
+    for name, n in (("small", 4096), ("large", fileio.DIRECT_MIN)):
+        data = os.urandom(n)
+        fileio.write_new(str(tmp_path / name), data, sync=False)
+        assert (tmp_path / name).read_bytes() == data
+    assert [bool(f & os.O_DIRECT) for f in flags_seen] == [False, True]
 
 
 def test_an_existing_target_is_an_error_and_is_left_alone(tmp_path):
