@@ -60,6 +60,7 @@ SCHEMA = [
 PAGE_SIZE = 16384
 WAL_AUTOCHECKPOINT = 1000  # pages: SQLite's default, for ordinary transactions
 WAL_DEFER_MAX = 512 << 20  # a durable commit defers the WAL copy up to this WAL size
+WAL_KEEP = 64 << 20  # a WAL that starts over is cut back to this size
 
 
 class SqliteEngine(SqlEngine):
@@ -80,6 +81,7 @@ class SqliteEngine(SqlEngine):
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.execute("PRAGMA foreign_keys=OFF")
+        self._conn.execute(f"PRAGMA journal_size_limit={WAL_KEEP}")
         if not checkpoints:
             self._conn.execute("PRAGMA wal_autocheckpoint=0")
         self._lock = threading.RLock()
@@ -120,6 +122,15 @@ class SqliteEngine(SqlEngine):
     def _start_writeback(self) -> None:
         with self._lock:
             self._on_wal(start_writeback)
+
+    def wal_checkpoint(self) -> None:
+        """Copy the WAL into the database and have the next write start it over (RESTART:
+        waits for readers, briefly holds off writers). For a process whose writes go
+        through a connection made with checkpoints=False. A PASSIVE checkpoint copied
+        every frame but, with the mount's loop reading and writing all the while, never
+        found the moment to restart: the WAL still grew to 200+ MB."""
+        with self._lock:
+            self._conn.execute("PRAGMA wal_checkpoint(RESTART)")
 
     def _wal_bytes(self) -> int:
         try:

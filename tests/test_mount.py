@@ -506,6 +506,23 @@ def test_namespace_calls_wait_for_a_busy_database_without_stalling_the_mount(
     assert sorted(os.listdir(os.path.join(m.mp, "d"))) == ["new", "sub"]
 
 
+def test_metadata_wal_stays_bounded_under_inline_writes(new_volume, mount_factory):
+    """Small files whose content is known commit on the mount's inline connection, which
+    never checkpoints; the mount does, from a worker. Unchecked, 4000 such transactions
+    grew the WAL past 250 MB."""
+    vol = new_volume()
+    m = mount_factory(vol)
+    payload = os.urandom(4096)
+    os.mkdir(m.path("small"))
+    for i in range(3000):
+        _write(m.path(f"small/f{i:05d}"), payload)
+    time.sleep(1.5)  # the last look of the WAL keeper
+    wal = os.path.join(vol, "meta.db-wal")
+    assert os.path.getsize(wal) < 128 * MiB
+    assert len(os.listdir(m.path("small"))) == 3000
+    assert _read(m.path("small/f02999")) == payload
+
+
 # -- random operations against a model -------------------------------------------------
 def _apply(root: str, op: tuple) -> str | None:
     """Apply one op under root; returns the errno name if it failed (must match the model)."""
