@@ -60,14 +60,17 @@ SCHEMA = [
 PAGE_SIZE = 16384
 WAL_AUTOCHECKPOINT = 1000  # pages: SQLite's default, for ordinary transactions
 WAL_DEFER_MAX = 512 << 20  # a durable commit defers the WAL copy up to this WAL size
-WAL_KEEP = 64 << 20  # a WAL that starts over is cut back to this size
+# A WAL that a checkpoints=False connection starts over is cut back to this size. Not the
+# others: a checkpoint commit's fsync costs more on a WAL file that must grow again.
+WAL_KEEP = 64 << 20
 
 
 class SqliteEngine(SqlEngine):
     def __init__(self, path: str, *, busy_timeout: float = 60.0, checkpoints: bool = True) -> None:
         """checkpoints=False: this connection never copies the WAL into the database
         (the mount's inline connection, whose commits run on the trio loop: a checkpoint
-        there would stall every request; the workers' connection does them)."""
+        there would stall every request; the workers' connection does them, see
+        `wal_checkpoint`)."""
         self.path = path
         self._auto = WAL_AUTOCHECKPOINT if checkpoints else 0
         self._conn = sqlite3.connect(
@@ -81,9 +84,9 @@ class SqliteEngine(SqlEngine):
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.execute("PRAGMA foreign_keys=OFF")
-        self._conn.execute(f"PRAGMA journal_size_limit={WAL_KEEP}")
         if not checkpoints:
             self._conn.execute("PRAGMA wal_autocheckpoint=0")
+            self._conn.execute(f"PRAGMA journal_size_limit={WAL_KEEP}")
         self._lock = threading.RLock()
         self._depth = 0
         self._full = False  # the connection is at synchronous=FULL
