@@ -213,8 +213,8 @@ def main() -> int:
             mvol, mnt = os.path.join(work, "mvol"), os.path.join(work, "mnt")
             Volume.create(mvol).close()
             os.makedirs(mnt)
-            mproc = subprocess.Popen(
-                [*cli, "mount", mvol, mnt],
+            mproc = subprocess.Popen(  # its staging inside work/: removed with it
+                [*cli, "mount", mvol, mnt, "--staging", os.path.join(work, "mstaging")],
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
