@@ -699,8 +699,14 @@ class FileCache:
         chunks = dict(st.new_chunks)
         base = st.extents
 
+        known: tuple[bytes, Attr] | None = None
+        new_cid: bytes | None = None  # hashed and found missing inline: store it
+
         def work() -> tuple[bytes, NewChunk | None, Attr | Exception]:
-            cid, rec = self._hash_and_store(data)
+            if new_cid is not None:
+                cid, rec = new_cid, self._put(new_cid, data)
+            else:
+                cid, rec = self._hash_and_store(data)
             mine = dict(chunks)
             if rec is not None:
                 mine[cid] = rec
@@ -711,10 +717,9 @@ class FileCache:
                 return cid, rec, e
             return cid, rec, attr
 
-        known = None
-        if self.local is not None and not chunks and not base and length <= INLINE_COMMIT:
-            known = self._commit_known_inline(st.ino, data, length, size, mtime_ns)
         try:
+            if self.local is not None and not chunks and not base and length <= INLINE_COMMIT:
+                known, new_cid = self._commit_known_inline(st.ino, data, length, size, mtime_ns)
             if known is not None:
                 (cid, attr), rec = known, None
             else:
@@ -739,23 +744,24 @@ class FileCache:
 
     def _commit_known_inline(
         self, ino: int, data: bytes, length: int, size: int, mtime_ns: int
-    ) -> tuple[bytes, Attr] | None:
+    ) -> tuple[tuple[bytes, Attr] | None, bytes | None]:
         """A new small file whose content is already stored (the same config or metadata
         file saved again at every step): the "is it known?" query and the commit run right
         here, on the mount's inline connection, as its namespace calls do, saving the close
-        a worker round trip. Anything else (new content to store first, a database that
-        would make us wait, any refusal) returns None for the worker path."""
+        a worker round trip. Returns ((chunk id, attributes), None) when committed; (None,
+        chunk id) when the content is new (the worker stores it without asking again);
+        (None, None) for anything else (a busy database, a refusal): the worker path."""
         cid = self._chunk_id(data)
         try:
             if self.local.missing_chunks([cid]):
-                return None
+                return None, cid
             attr = self.local.commit_file(
                 ino, [Extent(0, length, cid, 0)], size, [], mtime_ns=mtime_ns
             )
-        except (sqlite3.OperationalError, MetaError) as e:
+        except (sqlite3.Error, MetaError) as e:
             log.debug("inline commit of inode %d: %s; via a worker", ino, e)
-            return None
-        return cid, attr
+            return None, None
+        return (cid, attr), None
 
     async def shutdown(self) -> None:
         """Unmount: publish every file still dirty (best effort, logged)."""

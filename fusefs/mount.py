@@ -132,25 +132,29 @@ class CkptFS(pyfuse3.Operations):
                 self.local.close()
 
     async def _wal_keeper(self) -> None:
-        """Checkpoint the metadata WAL from a worker twice a second while it is written.
-        The inline connection never checkpoints (it would stall the loop), and a run of
-        inline-only writes (a tree of mkdirs, small files whose content is known) grew
-        the WAL by ~64 KB a transaction, to 260 MB after 4000 of them, slowing every
-        commit after it."""
+        """Checkpoint the metadata WAL from a worker twice a second while it is written
+        (`SqliteEngine.wal_checkpoint`). The inline connection never checkpoints, and a
+        run of inline-only writes (a tree of mkdirs, small files whose content is known)
+        grew the WAL by ~64 KB a transaction, to 250+ MB, slowing every commit after it."""
         meta, seen = self.vol.meta, 0
+
+        def wal_mtime() -> int:
+            try:
+                return os.stat(meta.path + "-wal").st_mtime_ns
+            except OSError:
+                return 0
 
         def checkpoint_if_written() -> None:
             nonlocal seen
-            try:
-                mtime = os.stat(meta.path + "-wal").st_mtime_ns
-            except OSError:
+            if wal_mtime() == seen:
                 return
-            if mtime != seen:
-                seen = mtime
-                try:
-                    meta.wal_checkpoint()
-                except sqlite3.Error as e:  # tried again at the next look
-                    log.debug("WAL checkpoint: %s", e)
+            try:
+                done = meta.wal_checkpoint()
+            except sqlite3.Error as e:
+                log.debug("WAL checkpoint: %s", e)
+                done = False
+            if done:  # (its own first write of the new WAL is not news) else: next look
+                seen = wal_mtime()
 
         while True:
             await trio.sleep(WAL_CHECK_S)
@@ -191,11 +195,11 @@ class CkptFS(pyfuse3.Operations):
         through a worker thread cost the loop ~150 us of CPU more (and the request ~0.8 ms):
         creating a small file (lookup, create, getattr, write, flush, release) spent half
         its daemon CPU on such trips. S3QL runs all its metadata queries on the loop.
-        These run on a connection of their own that never waits: where SQLite would make
-        it wait (a worker holds the write lock, WAL recovery after a crash) it fails at
-        once with nothing done, and the call goes to a worker as before. It never runs a
-        WAL checkpoint either (the workers' connection does). Reads see every committed
-        write (WAL); the calls allowed here are only those that touch a few rows."""
+        These run on a connection of their own (`SqliteEngine(inline=True)`) that never
+        waits, checkpoints or applies the reference journal: where it would (a worker
+        holds the write lock, WAL recovery after a crash, a pending journal) the call
+        fails at once with nothing done and goes to a worker as before. Reads see every
+        committed write (WAL); the calls allowed here are only those that touch a few rows."""
         if self.local is not None:
             try:
                 return getattr(self.local, method)(*args, **kw)
@@ -204,7 +208,7 @@ class CkptFS(pyfuse3.Operations):
         return await self.meta(getattr(self.vol.meta, method), *args, **kw)
 
     def _view(self, a: Attr) -> Attr:
-        """The engine's attributes, with the size and mtime of unflushed writes."""
+        """The engine's attributes, with the size, mtime and ctime of unflushed writes."""
         st = self.cache.states.get(a.ino) if self.cache else None
         if st is None or not st.dirty:
             return a
@@ -706,7 +710,7 @@ def _local_engine(vol: Volume) -> SqliteEngine | None:
     """A second connection to a local SQLite metadata file, for CkptFS._local_call."""
     if type(vol.meta) is not SqliteEngine:
         return None
-    return SqliteEngine(vol.meta.path, busy_timeout=0, checkpoints=False)
+    return SqliteEngine(vol.meta.path, inline=True)
 
 
 def serve(

@@ -58,8 +58,6 @@ class ReadBatcher:
         self._cond = threading.Condition()
         self._queue: list[tuple[str, list, dict, Any]] = []
         self._stopping = False
-        self.batches = 0  # how many batches ran (stats, tests)
-        self.calls = 0  # engine calls made for them (identical reads share one)
 
     def submit(self, method: str, args: list, kwargs: dict, slot: Any) -> None:
         with self._cond:
@@ -68,8 +66,8 @@ class ReadBatcher:
                 self._cond.notify()
 
     async def run(self) -> None:
-        """Serve until cancelled. Reads still queued then are not answered: the
-        service is going away and its clients retry elsewhere."""
+        """Serve until cancelled. Reads still queued then are answered EAGAIN (the
+        service is going away: retry), as a read task cancelled mid-call is."""
         token = trio.lowlevel.current_trio_token()
         self._stopping = False
         async with trio.open_nursery() as nursery:
@@ -79,7 +77,10 @@ class ReadBatcher:
             finally:
                 with self._cond:
                     self._stopping = True
+                    left, self._queue = self._queue, []
                     self._cond.notify_all()
+                gone = MetaError(errno.EAGAIN, "service shutting down; retry")
+                self._hand_back([(slot, None, gone) for *_, slot in left])
 
     def _loop(self, token: trio.lowlevel.TrioToken) -> None:
         while True:
@@ -89,7 +90,6 @@ class ReadBatcher:
                 if self._stopping:
                     return
                 batch, self._queue = self._queue, []
-            self.batches += 1
             self._run_batch(batch, token)
 
     def _run_batch(self, batch: list[tuple[str, list, dict, Any]], token: Any) -> None:
@@ -111,7 +111,6 @@ class ReadBatcher:
             token.run_sync_soon(self._hand_back, out)
 
     def _call(self, method: str, args: list, kwargs: dict) -> Outcome:
-        self.calls += 1
         try:
             return getattr(self.engine, method)(*args, **kwargs), None
         except (MetaError, TypeError, ValueError) as e:

@@ -60,33 +60,35 @@ SCHEMA = [
 PAGE_SIZE = 16384
 WAL_AUTOCHECKPOINT = 1000  # pages: SQLite's default, for ordinary transactions
 WAL_DEFER_MAX = 512 << 20  # a durable commit defers the WAL copy up to this WAL size
-# A WAL that a checkpoints=False connection starts over is cut back to this size. Not the
-# others: a checkpoint commit's fsync costs more on a WAL file that must grow again.
-WAL_KEEP = 64 << 20
+WAL_KEEP = 64 << 20  # `wal_checkpoint` cuts a WAL it starts over back to this size
+CHECKPOINT_WAIT = 0.02  # seconds `wal_checkpoint` may wait for readers (writers wait meanwhile)
 
 
 class SqliteEngine(SqlEngine):
-    def __init__(self, path: str, *, busy_timeout: float = 60.0, checkpoints: bool = True) -> None:
-        """checkpoints=False: this connection never copies the WAL into the database
-        (the mount's inline connection, whose commits run on the trio loop: a checkpoint
-        there would stall every request; the workers' connection does them, see
-        `wal_checkpoint`)."""
+    def __init__(self, path: str, *, busy_timeout: float = 60.0, inline: bool = False) -> None:
+        """inline=True: a connection whose calls run on an event loop (the mount's trio
+        thread), so it must never wait or do slow work: it never waits for a lock (busy
+        timeout 0: the call fails with sqlite3.OperationalError, nothing done, and the
+        caller retries it elsewhere), never checkpoints the WAL (the other connection does,
+        see `wal_checkpoint`), and never applies the reference journal (`_settle` refuses
+        the same way)."""
         self.path = path
-        self._auto = WAL_AUTOCHECKPOINT if checkpoints else 0
+        self.inline = inline
+        self._auto = 0 if inline else WAL_AUTOCHECKPOINT
         self._conn = sqlite3.connect(
             path,
             isolation_level=None,
             check_same_thread=False,
-            timeout=busy_timeout,
+            timeout=0 if inline else busy_timeout,
             cached_statements=512,
         )
         self._conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # takes effect in a new database
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.execute("PRAGMA foreign_keys=OFF")
-        if not checkpoints:
+        if inline:
             self._conn.execute("PRAGMA wal_autocheckpoint=0")
-            self._conn.execute(f"PRAGMA journal_size_limit={WAL_KEEP}")
+        self._busy_ms = 0 if inline else int(busy_timeout * 1000)
         self._lock = threading.RLock()
         self._depth = 0
         self._full = False  # the connection is at synchronous=FULL
@@ -126,14 +128,39 @@ class SqliteEngine(SqlEngine):
         with self._lock:
             self._on_wal(start_writeback)
 
-    def wal_checkpoint(self) -> None:
-        """Copy the WAL into the database and have the next write start it over (RESTART:
-        waits for readers, briefly holds off writers). For a process whose writes go
-        through a connection made with checkpoints=False. A PASSIVE checkpoint copied
-        every frame but, with the mount's loop reading and writing all the while, never
-        found the moment to restart: the WAL still grew to 200+ MB."""
+    def wal_checkpoint(self) -> bool:
+        """Copy the WAL into the database and start it over; False if readers kept it
+        from finishing within CHECKPOINT_WAIT (call again later).
+
+        For a process whose writes mostly go through an inline connection, which never
+        checkpoints. RESTART, not PASSIVE: with the mount's loop reading and writing all
+        the while, a PASSIVE checkpoint copied every frame but the WAL never started over
+        and grew past 250 MB. The first write after a restart rewrites (and syncs) the WAL
+        header and, with journal_size_limit, cuts the file: this connection makes that
+        write itself, so the inline one never does it on the loop. The short wait bounds
+        how long the checkpoint holds off the other writers."""
         with self._lock:
-            self._conn.execute("PRAGMA wal_checkpoint(RESTART)")
+            c = self._conn
+            c.execute(f"PRAGMA busy_timeout={int(CHECKPOINT_WAIT * 1000)}")
+            try:
+                busy = c.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()[0]
+            finally:
+                c.execute(f"PRAGMA busy_timeout={self._busy_ms}")
+            if busy:
+                return False
+            c.execute(f"PRAGMA journal_size_limit={WAL_KEEP}")
+            with self._tx() as t:  # the first write of the new WAL
+                self._x(
+                    t,
+                    "INSERT INTO config (key, value) VALUES ('wal_restarts', '1') "
+                    "ON CONFLICT (key) DO UPDATE SET value = value + 1",
+                )
+            return True
+
+    def _settle(self, c) -> None:
+        if self.inline and self._one(c, "SELECT 1 FROM ref_journal LIMIT 1") is not None:
+            raise sqlite3.OperationalError("would apply the reference journal on the loop")
+        super()._settle(c)
 
     def _wal_bytes(self) -> int:
         try:

@@ -40,6 +40,7 @@ def test_inode_numbers_are_never_reused(vol):
     seen = [a.ino, b.ino, f.ino, g.ino, h.ino]
     assert seen == sorted(set(seen)), f"an inode number came back: {seen}"
     assert m.list_xattr(f.ino) == [] and m.list_xattr(h.ino) == []
+    assert m.list_xattr(b.ino) == [], "the replaced directory's xattrs stayed behind"
 
 
 def test_namespace_data_and_refcounts(vol):
@@ -439,3 +440,41 @@ def test_typed_wire_commits_get_the_errors_of_dict_commits(vol):
     assert sorted(f["path"] for f in m.manifest("w", 3)["files"]) == sorted(
         f"d{r}/f" for r in range(n)
     )
+
+
+def test_inline_sqlite_connection_never_waits_nor_applies_the_journal(tmp_path):
+    """The mount's inline connection (`SqliteEngine(inline=True)`) refuses at once, with
+    nothing done, what would make its event loop wait: another writer's lock, or a change
+    that would first apply the checkpoint reference journal. Inode numbers stay unique
+    across a reopen."""
+    import sqlite3
+    import time
+
+    from metadata.sqlite import SqliteEngine
+
+    path = str(tmp_path / "vol")
+    v = Volume.create(path, nodes=2)
+    m = v.meta
+    f = m.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
+    a = _cid(b"a")
+    m.commit_file(f.ino, [Extent(0, 4, a)], 4, [NewChunk(a, 4, 4)])
+    m.begin("job", 1, 1)
+    m.commit_rank("job", 1, 0, _files("r0", [_cid(b"j")], [_cid(b"j")]), host="h")
+    inline = SqliteEngine(m.path, inline=True)
+    with pytest.raises(sqlite3.OperationalError):  # drops a's reference: journal first
+        inline.commit_file(f.ino, [], 0, [])
+    assert m.get_extents(f.ino) == [Extent(0, 4, a)]
+    other = sqlite3.connect(m.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    t0 = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError):
+        inline.create(ROOT_INO, b"g", stat.S_IFREG | 0o644, 0, 0)
+    assert time.monotonic() - t0 < 0.5
+    other.execute("ROLLBACK")
+    other.close()
+    d = inline.create(ROOT_INO, b"d", stat.S_IFDIR | 0o755, 0, 0)
+    inline.rmdir(ROOT_INO, b"d")  # the highest number is freed...
+    inline.close()
+    v.close()
+    with Volume.open(path) as v2:  # ...and not handed out again after a reopen
+        assert v2.meta.create(ROOT_INO, b"e", stat.S_IFDIR | 0o755, 0, 0).ino > d.ino
