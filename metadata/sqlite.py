@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+from typing import Any
 
 from chunkstore.fileio import start_writeback
 from metadata.sqlbase import SqlEngine
@@ -157,7 +158,7 @@ class SqliteEngine(SqlEngine):
                 )
             return True
 
-    def _settle(self, c) -> None:
+    def _settle(self, c: Any) -> None:
         if self.inline and self._one(c, "SELECT 1 FROM ref_journal LIMIT 1") is not None:
             raise sqlite3.OperationalError("would apply the reference journal on the loop")
         super()._settle(c)
