@@ -40,6 +40,16 @@ class MetaError(Exception):
         return (type(self), (self.errno, str(self)))
 
 
+def internal_error(what: str, e: BaseException) -> MetaError:
+    """An unexpected failure (a bug, a broken database) as the EIO a client is answered."""
+    return MetaError(errno.EIO, f"{what} failed: {type(e).__name__}: {e}")
+
+
+def shutting_down() -> MetaError:
+    """The answer to a request the service stops before running: retry elsewhere."""
+    return MetaError(errno.EAGAIN, "service shutting down; retry")
+
+
 @dataclass
 class Attr:
     ino: int

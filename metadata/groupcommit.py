@@ -26,7 +26,6 @@ behind a long apply.
 
 from __future__ import annotations
 
-import errno
 import gc
 import logging
 import threading
@@ -37,7 +36,7 @@ from typing import Any
 
 import trio
 
-from metadata.engine import MetaEngine, MetaError
+from metadata.engine import MetaEngine, internal_error
 
 log = logging.getLogger("ckptfs.meta")
 
@@ -117,7 +116,7 @@ class GroupCommit:
             self._acknowledge(batch, results)
         except Exception as e:  # noqa: BLE001 - a bug here must not take the loop down
             log.exception("acknowledging a group commit of %d ranks failed", len(batch))
-            err = MetaError(errno.EIO, f"commit acknowledgement failed: {type(e).__name__}: {e}")
+            err = internal_error("commit acknowledgement", e)
             for _, slot in batch:  # nobody may wait forever for an answer
                 if not slot.done:
                     slot.set(error=err)
@@ -153,7 +152,7 @@ class GroupCommit:
                 prepared = self.engine.prepare_commits(items)
             except Exception as e:  # noqa: BLE001 - a bug must not stop group commit
                 log.exception("validating a group commit of %d ranks failed", len(batch))
-                err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
+                err = internal_error("commit", e)
                 prepared = ([err] * len(batch), [])
             with self._ready:
                 self._validated.append((batch, prepared))
@@ -179,7 +178,7 @@ class GroupCommit:
                 results = self.engine.write_commits(prepared)
             except Exception as e:  # noqa: BLE001 - answered as EIO; the service goes on
                 log.exception("group commit of %d ranks failed", len(batch))
-                err = MetaError(errno.EIO, f"commit failed: {type(e).__name__}: {e}")
+                err = internal_error("commit", e)
                 results = [err] * len(batch)
             self.journal_dirty = True
             token.run_sync_soon(self._acknowledged, batch, results)

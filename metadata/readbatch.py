@@ -21,7 +21,6 @@ run alone. (Joining a read already running would not have that property.)
 
 from __future__ import annotations
 
-import errno
 import logging
 import threading
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 import trio
 
-from metadata.engine import MetaEngine, MetaError
+from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 
 log = logging.getLogger("ckptfs.meta")
 
@@ -79,8 +78,7 @@ class ReadBatcher:
                     self._stopping = True
                     left, self._queue = self._queue, []
                     self._cond.notify_all()
-                gone = MetaError(errno.EAGAIN, "service shutting down; retry")
-                self._hand_back([(slot, None, gone) for *_, slot in left])
+                self._hand_back([(slot, None, shutting_down()) for *_, slot in left])
 
     def _loop(self, token: trio.lowlevel.TrioToken) -> None:
         while True:
@@ -117,7 +115,7 @@ class ReadBatcher:
             return None, e
         except Exception as e:  # noqa: BLE001 - a bug in one read must not stop the others
             log.exception("%s failed", method)
-            return None, MetaError(errno.EIO, f"{method} failed: {type(e).__name__}: {e}")
+            return None, internal_error(method, e)
 
     @staticmethod
     def _hand_back(out: list[tuple[Any, Any, Any]]) -> None:

@@ -43,7 +43,7 @@ import msgspec
 import trio
 
 from metadata.checkpoints import file_fields, pack_files
-from metadata.engine import MetaEngine, MetaError
+from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
     MAX_FRAME,
@@ -179,7 +179,7 @@ def _error_reply(method: str, e: BaseException) -> tuple[int, str]:
         return e.errno or errno.EIO, str(e)
     if isinstance(e, TypeError | ValueError):
         return errno.EINVAL, f"bad arguments for {method}: {e}"
-    return errno.EIO, f"{method} failed: {type(e).__name__}: {e}"
+    return errno.EIO, str(internal_error(method, e))
 
 
 def _commit_args(
@@ -404,11 +404,11 @@ class MetaService:
             log.exception("%s failed", method)
             if key is not None:
                 self._idem.pop(key, None)  # not an outcome: let a retry run it again
-            slot.set(error=MetaError(errno.EIO, f"{method} failed: {type(e).__name__}: {e}"))
+            slot.set(error=internal_error(method, e))
         except BaseException:
             if key is not None:
                 self._idem.pop(key, None)
-            slot.set(error=MetaError(errno.EAGAIN, "service shutting down; retry"))
+            slot.set(error=shutting_down())
             raise
         else:
             slot.set(result)

@@ -159,9 +159,10 @@ class SqliteEngine(SqlEngine):
             return True
 
     def _settle(self, c: Any) -> None:
-        if self.inline and self._one(c, "SELECT 1 FROM ref_journal LIMIT 1") is not None:
+        if not self.inline:
+            super()._settle(c)
+        elif self._one(c, "SELECT 1 FROM ref_journal LIMIT 1") is not None:
             raise sqlite3.OperationalError("would apply the reference journal on the loop")
-        super()._settle(c)
 
     def _wal_bytes(self) -> int:
         try:
