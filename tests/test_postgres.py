@@ -442,6 +442,42 @@ def test_typed_wire_commits_get_the_errors_of_dict_commits(vol):
     )
 
 
+def test_column_checks_match_the_rank_by_rank_checks(tmp_path):
+    """A big batch of typed commits is validated column by column; each rank must come out
+    exactly as it does checked alone: same digest (a retry is recognised either way),
+    files in path order, sizes, new bytes, journal blobs and directories."""
+    from metadata.checkpoints import BATCH_CHECK_MIN, CHK, EXT, WireFile, _prepare_columns
+
+    v = Volume.create(str(tmp_path / "vol"), nodes=2)
+
+    def rank(r: int) -> list:
+        files = []
+        for f in range(1 + r % 4):
+            cids = [_cid(b"c%d-%d-%d" % (r, f, i)) for i in range(1 + (r + f) % 3)]
+            ext = [EXT.pack(i * 10, 10, 0, c) for i, c in enumerate(cids)]
+            if r % 5 == 1:  # refers to another rank's chunk: not self-contained
+                ext.append(EXT.pack(len(cids) * 10, 10, 0, _cid(b"c0-0-0")))
+            path = [f"r{r}/f{f}", f"f{f}", f"r{r}/d/e/f{f}"][r % 3]
+            chk = b"".join(CHK.pack(c, 10, 7, 1) for c in cids)
+            files.append(WireFile(path, 10 * len(ext) + r, b"".join(ext), chk))
+        return files[::-1] if r % 2 else files  # some ranks send them out of order
+
+    n = BATCH_CHECK_MIN + 24
+    items = [("j", 1, r, rank(r), f"h{r}") for r in range(n)]
+    cols = _prepare_columns(items)
+    assert len(cols) == n
+    for r, t in enumerate(cols):
+        out, (alone,) = v.meta.prepare_commits([items[r]])
+        assert out == [None]
+        assert t[:8] == (r, *alone[1:8]), r  # index, job, step, rank, files, host, digest, bytes
+        assert t[8] == (r % 5 != 1), r  # self-contained
+        size, paths, chunks, exts, dirs = t[9]
+        assert (size, paths, chunks, dirs) == (*alone[9][:3], alone[9][4]), r
+        assert exts == (b"" if t[8] else alone[9][3]), r
+        assert [f[0] for f in t[4]] == sorted(f[0] for f in t[4])
+    v.close()
+
+
 def test_inline_sqlite_connection_never_waits_nor_applies_the_journal(tmp_path):
     """The mount's inline connection (`SqliteEngine(inline=True)`) refuses at once, with
     nothing done, what would make its event loop wait: another writer's lock, or a change
