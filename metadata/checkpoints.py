@@ -997,7 +997,7 @@ class CheckpointMixin:
                 c,
                 "SELECT d.name, d.ino, i.mode FROM dentries d JOIN inodes i ON i.ino = d.ino "
                 f"WHERE d.parent = ? AND d.name IN ({marks})",
-                (parent, *part),
+                (parent, *map(bytearray, part)),  # bytearrays: see _bulk_insert
             ).fetchall():
                 out[bytes(name)] = (int(ino), int(mode))
         return out

@@ -217,7 +217,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             self._settle(c)
         c.executemany(
             self._q("UPDATE chunks SET refcount = refcount + ?, touched = ? WHERE id = ?"),
-            [(d, now, cid) for cid, d in rows],
+            [(d, now, bytearray(cid)) for cid, d in rows],  # see _bulk_insert
         )
 
     # -- pending references (the journal checkpoint commits write) -------------
@@ -259,7 +259,10 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     "state = CASE WHEN excluded.state > chunks.state THEN excluded.state "
                     "ELSE chunks.state END"
                 ),
-                [(cid, *new[cid][:2], refs.pop(cid, 0), new[cid][2], now) for cid in sorted(new)],
+                [
+                    (bytearray(cid), *new[cid][:2], refs.pop(cid, 0), new[cid][2], now)
+                    for cid in sorted(new)
+                ],  # bytearrays: see _bulk_insert
             )
         self._adjust_refs(c, refs, settle=False)
         ids = [r[col["id"]] for r in rows]
