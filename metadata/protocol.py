@@ -105,6 +105,14 @@ def encode(obj: Any) -> bytes:
     return _ENC.encode(wire(obj))
 
 
+def encode_answer(rid: int, result: Any) -> bytes:
+    """A success answer; a result encoded once for many answers (msgspec.Raw: a group
+    commit's ranks, a manifest) needs no walk through `wire`."""
+    if type(result) is msgspec.Raw:
+        return _ENC.encode((rid, 0, result))
+    return encode([rid, 0, result])
+
+
 def decode(body: bytes | memoryview) -> Any:
     try:
         return _DEC.decode(body)

@@ -53,6 +53,7 @@ from metadata.protocol import (
     FrameDecoder,
     ProtocolError,
     encode,
+    encode_answer,
     encode_frame,
     parse_commit,
     parse_hello,
@@ -157,7 +158,7 @@ class _Conn:
             self.drained.set()
         try:
             if error is None:
-                body = encode([rid, 0, result])
+                body = encode_answer(rid, result)
             else:
                 body = encode([rid, *_error_reply(method, error)])
         except Exception as e:  # noqa: BLE001 - an unencodable result must not kill the conn
