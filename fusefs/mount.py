@@ -317,7 +317,9 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
-        return self._ref(await self._make(parent_inode, name, mode, ctx))
+        if stat.S_IFMT(mode) in (stat.S_IFCHR, stat.S_IFBLK) and ctx.uid != 0:
+            raise pyfuse3.FUSEError(errno.EPERM)  # the kernel checks CAP_MKNOD too
+        return self._ref(await self._make(parent_inode, name, mode, ctx, rdev=rdev))
 
     @handler
     async def mkdir(self, parent_inode, name, mode, ctx):

@@ -396,6 +396,8 @@ class Volume:
         attr = self.resolve(path)
         if attr.is_dir:
             raise MetaError(errno.EISDIR, f"{path!r} is a directory")
+        if not attr.is_reg:  # a symlink, FIFO, socket or device node: no bytes of its own
+            raise MetaError(errno.EINVAL, f"{path!r} is not a regular file")
         return FileReader(self, attr)
 
     def read_file(self, path: str) -> bytes:

@@ -185,11 +185,21 @@ class MetaEngine(ABC):
 
     @abstractmethod
     def create(
-        self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, target: bytes = b""
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        uid: int,
+        gid: int,
+        *,
+        target: bytes = b"",
+        rdev: int = 0,
     ) -> Attr:
-        """Make a regular file, directory or symlink (by the type bits of mode).
+        """Make a regular file, directory, symlink, FIFO, socket or device node (by the
+        type bits of mode).
 
-        EEXIST if the name exists. `target` is the symlink's target.
+        EEXIST if the name exists. `target` is the symlink's target, `rdev` a device
+        node's device number. Who may make a device node is the caller's check.
         """
 
     @abstractmethod

@@ -51,6 +51,15 @@ BULK_ROWS = 512  # rows per multi-row INSERT (a power of two; times 13 columns <
 # SQLite's bound-parameter limit since 3.32)
 
 
+# What create makes: the node types of mknod(2), plus directories and symlinks. FIFOs,
+# sockets and device nodes hold no data here: the kernel serves them (a pipe, a socket,
+# the device's driver) and only asks the mount for their attributes.
+_KINDS = frozenset(
+    [stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK, stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR,
+     stat.S_IFBLK]
+)  # fmt: skip
+
+
 def _now() -> int:
     return time.time_ns()
 
@@ -378,12 +387,24 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             return self._getattr(c, ino)
 
     def create(
-        self, parent: int, name: bytes, mode: int, uid: int, gid: int, *, target: bytes = b""
+        self,
+        parent: int,
+        name: bytes,
+        mode: int,
+        uid: int,
+        gid: int,
+        *,
+        target: bytes = b"",
+        rdev: int = 0,
     ) -> Attr:
         check_name(name)
         kind = stat.S_IFMT(mode)
-        if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
-            raise MetaError(errno.EPERM, "only regular files, directories and symlinks")
+        if kind not in _KINDS:
+            raise MetaError(errno.EINVAL, f"file type {kind:#o} is not one a file can have")
+        if kind not in (stat.S_IFCHR, stat.S_IFBLK):
+            rdev = 0  # only a device node has a device number
+        elif not isinstance(rdev, int) or not 0 <= rdev < 2**63:
+            raise MetaError(errno.EINVAL, "device number out of range")
         if kind == stat.S_IFLNK and not target:
             raise MetaError(errno.EINVAL, "symlink needs a target")
         if len(target) > 4096:
@@ -399,8 +420,8 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             self._x(
                 c,
                 "INSERT INTO inodes (ino, mode, nlink, uid, gid, size, atime, mtime, ctime, "
-                "rdev, generation, target) VALUES (?,?,?,?,?,?,?,?,?,0,0,?)",
-                (ino, mode, nlink, uid, gid, size, now, now, now, target),
+                "rdev, generation, target) VALUES (?,?,?,?,?,?,?,?,?,?,0,?)",
+                (ino, mode, nlink, uid, gid, size, now, now, now, rdev, target),
             )
             self._x(
                 c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino)

@@ -91,6 +91,26 @@ def test_rm_and_ls(tmp_path):
     assert json.loads(ckptfs("stats", str(vol), "--json").stdout)["unique_chunks"] == 0
 
 
+def test_get_of_a_node_without_bytes_is_an_error(tmp_path):
+    """A symlink or FIFO has no bytes of its own: `get` says so and writes nothing (it
+    used to write an empty file)."""
+    import stat
+
+    from fusefs.volume import Volume
+    from metadata.engine import ROOT_INO
+
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    with Volume.open(str(vol)) as v:
+        v.meta.create(ROOT_INO, b"fifo", stat.S_IFIFO | 0o644, 0, 0)
+        v.meta.create(ROOT_INO, b"ln", stat.S_IFLNK | 0o777, 0, 0, target=b"fifo")
+    for name in ("fifo", "ln"):
+        _assert_clean_error(
+            ckptfs("get", str(vol), name, str(tmp_path / "out"), check=False), "not a regular file"
+        )  # fmt: skip
+        assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(
     "args,words",
     [

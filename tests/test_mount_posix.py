@@ -222,3 +222,48 @@ def test_background_default_volume_and_umount(mount_env, tmp_path):
         timeout=60,
     )
     assert "hello" in ls.stdout
+
+
+def test_fifos_sockets_and_device_nodes(public_dir, new_volume, mount_factory):
+    """mknod(2)'s node types: a FIFO carries data through the kernel's pipe, a socket can
+    be bound, a device node keeps its number; each survives a remount, lists with its
+    type, and goes away with unlink. Only root makes a device node; a type no file can
+    have is EINVAL."""
+    import socket
+    import stat
+    import threading
+
+    vol = new_volume()
+    m = mount_factory(vol, os.path.join(public_dir, "mnt"), "--allow-other")
+    os.chmod(m.mp, 0o777)
+    fifo, sock, dev = m.path("fifo"), m.path("sock"), m.path("null")
+    os.mkfifo(fifo, 0o640)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()))
+    reader.start()
+    with open(fifo, "wb") as w:
+        w.write(b"through the pipe")
+    reader.join(timeout=30)
+    assert got == [b"through the pipe"]
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(sock)
+    os.mknod(dev, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    with pytest.raises(OSError) as e:
+        os.mknod(m.path("bad"), 0o170000 | 0o600)  # S_IFMT itself: no such type
+    assert e.value.errno == errno.EINVAL
+    assert _as_nobody(
+        "import stat\nos.mknod(sys.argv[1], stat.S_IFBLK | 0o600, os.makedev(8, 0))",
+        m.path("nobodys-dev"),
+    ).stdout.strip() == "EPERM"  # fmt: skip
+    assert _as_nobody("os.mkfifo(sys.argv[1])", m.path("nobodys-fifo")).stdout.strip() == "OK"
+    m.unmount()
+    m = mount_factory(vol, os.path.join(public_dir, "mnt"))
+    kinds = {e.name: stat.S_IFMT(e.stat(follow_symlinks=False).st_mode) for e in os.scandir(m.mp)}
+    assert kinds == {"fifo": stat.S_IFIFO, "sock": stat.S_IFSOCK, "null": stat.S_IFCHR,
+                     "nobodys-fifo": stat.S_IFIFO}  # fmt: skip
+    st = os.lstat(dev)
+    assert (st.st_rdev, st.st_mode & 0o777, st.st_size) == (os.makedev(1, 3), 0o600, 0)
+    assert os.lstat(fifo).st_mode & 0o777 == 0o640
+    for p in (fifo, sock, dev):
+        os.unlink(p)
+    assert sorted(os.listdir(m.mp)) == ["nobodys-fifo"]

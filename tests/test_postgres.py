@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import stat
 
 import pytest
@@ -514,3 +515,20 @@ def test_inline_sqlite_connection_never_waits_nor_applies_the_journal(tmp_path):
     v.close()
     with Volume.open(path) as v2:  # ...and not handed out again after a reopen
         assert v2.meta.create(ROOT_INO, b"e", stat.S_IFDIR | 0o755, 0, 0).ino > d.ino
+
+
+def test_special_files_keep_type_and_device_number(vol):
+    """FIFOs, sockets and device nodes are inodes without data; a device node keeps its
+    number, other types none; a type no file can have is refused and nothing is made."""
+    m = vol.meta
+    fifo = m.create(ROOT_INO, b"fifo", stat.S_IFIFO | 0o640, 0, 0, rdev=7)
+    dev = m.create(ROOT_INO, b"dev", stat.S_IFBLK | 0o600, 0, 0, rdev=os.makedev(8, 1))
+    sock = m.create(ROOT_INO, b"sock", stat.S_IFSOCK | 0o755, 0, 0)
+    assert (stat.S_IFMT(fifo.mode), fifo.rdev, fifo.size) == (stat.S_IFIFO, 0, 0)
+    assert m.getattr(dev.ino).rdev == os.makedev(8, 1)
+    assert stat.S_ISSOCK(m.getattr(sock.ino).mode)
+    for mode, rdev in ((0o170000, 0), (stat.S_IFCHR, -1)):
+        with pytest.raises(MetaError) as e:
+            m.create(ROOT_INO, b"bad", mode | 0o600, 0, 0, rdev=rdev)
+        assert e.value.errno == errno.EINVAL
+    assert sorted(d.name for d in m.readdir(ROOT_INO, 0)) == [b"dev", b"fifo", b"sock"]
