@@ -214,6 +214,7 @@ class CkptFS(pyfuse3.Operations):
             return a
         v = Attr(**a.__dict__)
         v.size, v.mtime_ns = st.size, st.mtime_ns
+        v.alloc = -1  # unflushed writes: count the size until the close commits them
         v.ctime_ns = max(v.ctime_ns, st.mtime_ns)  # a write changes ctime too
         return v
 
@@ -236,7 +237,7 @@ class CkptFS(pyfuse3.Operations):
         e.st_rdev = a.rdev
         e.st_size = a.size
         e.st_blksize = BLKSIZE
-        e.st_blocks = (a.size + 511) // 512
+        e.st_blocks = a.blocks
         e.st_atime_ns = a.atime_ns
         e.st_mtime_ns = a.mtime_ns
         e.st_ctime_ns = a.ctime_ns

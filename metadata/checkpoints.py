@@ -254,15 +254,16 @@ BATCH_CHECK_MIN = 16  # ranks in a group commit before the vectorized checks pay
 
 def _check_columns(
     counts: list[int], sizes: list[int], ext_all: bytes, ext_n: Any, chk_all: bytes, chk_n: Any
-) -> tuple[bool, list[int], list[bool]]:
+) -> tuple[bool, list[int], list[bool], list[int]]:
     """`_norm_files`'s extent and chunk checks for a whole batch, vectorized: item k
     owns the next counts[k] files; file j has sizes[j], ext_n[j] packed extents and
     chk_n[j] new-chunk records, all files' packed one after another in ext_all and
     chk_all.
 
-    Returns whether every file passes, every item's new-chunk byte count, and
+    Returns whether every file passes, every item's new-chunk byte count,
     whether each item is self-contained (every file's extents are exactly its
-    declared new chunks, in order: no lookup of known chunks needed). Fields are
+    declared new chunks, in order: no lookup of known chunks needed), and the
+    bytes each file's extents cover (its `alloc`). Fields are
     read through strided views of the packed records: numpy's structured-dtype
     field access copied and was ~3x slower.
     """
@@ -274,22 +275,26 @@ def _check_columns(
         off = np.ndarray((ne,), "<u8", ext_all, 0, (EXT.size,))
         ln = np.ndarray((ne,), "<u8", ext_all, 8, (EXT.size,))
         if ((ln == 0) | (off >= 2**62) | (ln >= 2**62)).any():
-            return False, [], []
+            return False, [], [], []
         end = off + ln  # no wrap-around: both below 2**62
         same_file = fidx[1:] == fidx[:-1]
         if (same_file & (off[1:] < end[:-1])).any():  # overlaps or goes backwards
-            return False, [], []
+            return False, [], [], []
         last = np.ones(ne, bool)
         last[:-1] = ~same_file
         if (end[last] > np.fromiter(sizes, np.uint64, nf)[fidx[last]]).any():
-            return False, [], []
+            return False, [], [], []
+        # float64 sums: exact while a file stores under 2**53 bytes (8 PiB)
+        alloc = [int(b) for b in np.bincount(fidx, weights=ln, minlength=nf).tolist()]
+    else:
+        alloc = [0] * nf
     new_bytes = [0] * n
     if nc:
         raw = np.ndarray((nc,), "<u8", chk_all, 16, (CHK.size,))
         stored = np.ndarray((nc,), "<u8", chk_all, 24, (CHK.size,))
         st = np.ndarray((nc,), "u1", chk_all, 32, (CHK.size,))
         if ((raw == 0) | (stored == 0) | (st > DURABLE)).any():
-            return False, [], []
+            return False, [], [], []
         per_file = np.bincount(np.repeat(np.arange(nf), chk_n), weights=raw, minlength=nf)
         new_bytes = [int(b) for b in np.bincount(owner, weights=per_file, minlength=n).tolist()]
     same = ext_n == chk_n
@@ -304,7 +309,7 @@ def _check_columns(
             files = fidx[em]
         same &= np.bincount(files, weights=differ, minlength=nf) == 0
     closed = (np.bincount(owner, weights=~same, minlength=n) == 0).tolist()
-    return True, new_bytes, closed
+    return True, new_bytes, closed, alloc
 
 
 def _prepare_columns(items: list[tuple]) -> list[tuple]:
@@ -375,7 +380,7 @@ def _prepare_columns(items: list[tuple]) -> list[tuple]:
         raise _SlowPath
     ext_all, chk_all = b"".join(exts), b"".join(chks)
     ext_n = elen // EXT.size
-    ok, new_bytes, closed = _check_columns(
+    ok, new_bytes, closed, alloc = _check_columns(
         counts, sizes, ext_all, ext_n, chk_all, clen // CHK.size
     )  # fmt: skip
     if not ok:
@@ -407,6 +412,7 @@ def _prepare_columns(items: list[tuple]) -> list[tuple]:
             chk_all[c_at[a] : c_at[b]],
             b"" if closed[k] else ext_all[e_at[a] : e_at[b]],
             dirs,
+            alloc[a:b],
         )
         h = xxhash.xxh3_128(hv[hsz * a : hsz * b])
         h.update(pv[p_at[a] : p_at[b] - 1])
@@ -437,14 +443,15 @@ def _unsorted(paths: list[bytes], starts: list[int]) -> list[int]:
 
 def _rank_parts(
     files: list, closed: bool
-) -> tuple[int, bytes, bytes, bytes, set[tuple[bytes, ...]]]:
+) -> tuple[int, bytes, bytes, bytes, set[tuple[bytes, ...]], list[int]]:
     """What the write of a rank's row needs, computed before the write lock: total
-    size, paths (NUL-separated), new chunks and extents (the journal's blobs), and
-    the directory prefixes its files need. A closed rank's extents are exactly its
+    size, paths (NUL-separated), new chunks and extents (the journal's blobs), the
+    directory prefixes its files need and the bytes each file's extents cover
+    (`alloc`). A closed rank's extents are exactly its
     new chunks: the journal takes one reference per chunk record (`owned`) and
     needs no second copy of the ids."""
     if not files:
-        return 0, b"", b"", b"", set()
+        return 0, b"", b"", b"", set(), []
     paths, parts, sizes, exts, chunks = zip(*files, strict=True)  # columns, at C speed
     if max(map(len, parts)) <= 2:  # the common shape: files at most one directory deep
         dirs = {(p[0],) for p in parts if len(p) == 2}
@@ -456,6 +463,7 @@ def _rank_parts(
         b"".join(chunks),
         b"" if closed else b"".join(exts),
         dirs,
+        [sum(e[1] for e in EXT.iter_unpack(x)) for x in exts],
     )
 
 
@@ -912,7 +920,10 @@ class CheckpointMixin:
             if len(keys) != len(rows) or not keys.isdisjoint(used):
                 raise _Fallback("two files, or a file and a directory, share a path")
             file_inos = inos[first:]
-            file_rows = list(zip(file_inos, sizes, map(bytearray, blobs), strict=True))
+            allocs = chain.from_iterable(t[9][5] for t in fresh)
+            file_rows = list(
+                zip(file_inos, sizes, map(bytearray, blobs), allocs, strict=True)
+            )  # fmt: skip
             file_dents = list(zip(parents, map(bytearray, names), file_inos, strict=True))
         else:
             file_rows, file_dents = [], []
@@ -925,7 +936,7 @@ class CheckpointMixin:
             {"mode": stat.S_IFDIR | 0o755, "size": 0, **same},
         )  # fmt: skip
         self._bulk_insert(
-            c, "inodes", "ino, size, extents", file_rows,
+            c, "inodes", "ino, size, extents, alloc", file_rows,
             {"mode": stat.S_IFREG | 0o644, "nlink": 1, "generation": 1, **same},
         )  # fmt: skip
         self._bulk_insert(c, "dentries", "parent, name, ino", dent_rows)
@@ -939,7 +950,7 @@ class CheckpointMixin:
         packed = bytearray(np.array(inos[first:], "<u8"))  # INO records, every file's
         k = 0
         for _i, job, step, rank, files, host, digest, new_bytes, closed, parts in fresh:
-            size, paths, chunks, refs, _ = parts
+            size, paths, chunks, refs = parts[:4]
             n = len(files)
             rank_rows.append(
                 (job, step, rank, host, now, size, new_bytes, n, bytearray(digest),
@@ -970,7 +981,7 @@ class CheckpointMixin:
         inos = iter(file_inos)
         for t in fresh:
             root = steps[(t[1], t[2])][2]
-            for path, parts, size, blob, _chunks in t[4]:
+            for (path, parts, size, blob, _chunks), alloc in zip(t[4], t[9][5], strict=True):
                 parent = resolved[(root, tuple(parts[:-1]))]
                 key = (parent, parts[-1])
                 clash = key in used
@@ -982,7 +993,7 @@ class CheckpointMixin:
                     raise MetaError(errno.EEXIST, f"{path!r} is already committed by another rank")
                 used[key] = False
                 ino = next(inos)
-                file_rows.append((ino, size, bytearray(blob)))
+                file_rows.append((ino, size, bytearray(blob), alloc))
                 dent_rows.append((parent, bytearray(parts[-1]), ino))
         return file_rows, dent_rows
 

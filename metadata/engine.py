@@ -63,6 +63,13 @@ class Attr:
     ctime_ns: int
     rdev: int = 0
     generation: int = 0  # bumped by every extent commit: lets caches know a file changed
+    alloc: int = -1  # bytes its extents cover (holes excluded); -1: not kept, use size
+
+    @property
+    def blocks(self) -> int:
+        """st_blocks: 512-byte units of the bytes stored for the file (a sparse file's
+        holes take none)."""
+        return ((self.size if self.alloc < 0 else self.alloc) + 511) // 512
 
     @property
     def is_dir(self) -> bool:

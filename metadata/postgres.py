@@ -69,6 +69,7 @@ class PostgresEngine(SqlEngine):
         self._lock = threading.RLock()
         self._depth = 0
         self._qcache: dict[str, str] = {}
+        self._upgrade_schema()
 
     def _ddl(self) -> list[str]:
         out = [translate_ddl(s) for s in SCHEMA]

@@ -26,7 +26,7 @@ import msgspec
 from metadata.checkpoints import WireFile
 from metadata.engine import Attr, ChunkRow, DirEntry, Extent, NewChunk, VolumeStats
 
-PROTO_VERSION = 1
+PROTO_VERSION = 2  # 2: Attr.alloc
 MAX_FRAME = 64 * 2**20
 HEADER = struct.Struct(">I")
 

@@ -44,7 +44,7 @@ from metadata.engine import (
 from metadata.maintenance import MaintenanceMixin
 from metadata.retention import RetentionMixin
 
-_ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation"
+_ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation, alloc"
 XATTR_MAX = 64 * 1024
 INO_HWM = "ino_hwm"  # config key: the highest inode number ever handed out
 BULK_ROWS = 512  # rows per multi-row INSERT (a power of two; times 13 columns < 32766,
@@ -145,6 +145,45 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         return self._x(c, sql, args).fetchone()
 
     # -- volume --------------------------------------------------------------
+    # Columns added since the first volumes: (table, column, declaration in SQLite's dialect).
+    UPGRADES = [("inodes", "alloc", "INTEGER NOT NULL DEFAULT -1")]
+
+    def _upgrade_schema(self) -> None:
+        """Add the columns a volume made by an older version lacks; called at open, before
+        anything reads them. Existing rows get the declared default (alloc -1: st_blocks
+        falls back to the size until the file is written again). A database not yet
+        formatted is left alone: init_volume makes the whole schema."""
+        missing = []
+        with self._read() as c:
+            for table, col, decl in self.UPGRADES:
+                if not self._has(c, table, "*"):
+                    return
+                if not self._has(c, table, col):
+                    missing.append((table, col, decl))
+        if not missing:
+            return
+        with self._tx() as c:
+            for table, col, decl in missing:
+                if not self._has(c, table, col):  # another process may have added it
+                    self._x(c, self._ddl_text(f"ALTER TABLE {table} ADD COLUMN {col} {decl}"))
+
+    def _has(self, c: Any, table: str, col: str) -> bool:
+        """Does `table` exist (col "*"), or have column `col`? A failed probe is rolled back
+        to a savepoint, so the transaction around it goes on (PostgreSQL aborts it)."""
+        in_tx = self._depth > 0
+        if in_tx:
+            self._x(c, "SAVEPOINT probe")
+        try:
+            self._x(c, f"SELECT {col} FROM {table} LIMIT 0")
+        except Exception:  # noqa: BLE001 - the driver's "no such table/column"
+            if in_tx:
+                self._x(c, "ROLLBACK TO SAVEPOINT probe")
+            return False
+        finally:
+            if in_tx:
+                self._x(c, "RELEASE SAVEPOINT probe")
+        return True
+
     def init_volume(self, config: dict) -> None:
         with self._tx() as c:
             for stmt in self._ddl():
@@ -157,8 +196,8 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             now = _now()
             self._x(
                 c,
-                f"INSERT INTO inodes ({_ATTR_COLS}, target) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                (ROOT_INO, stat.S_IFDIR | 0o755, 2, 0, 0, 0, now, now, now, 0, 0, b""),
+                f"INSERT INTO inodes ({_ATTR_COLS}, target) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (ROOT_INO, stat.S_IFDIR | 0o755, 2, 0, 0, 0, now, now, now, 0, 0, -1, b""),
             )
 
     def get_config(self) -> dict:
@@ -420,8 +459,21 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             self._x(
                 c,
                 "INSERT INTO inodes (ino, mode, nlink, uid, gid, size, atime, mtime, ctime, "
-                "rdev, generation, target) VALUES (?,?,?,?,?,?,?,?,?,?,0,?)",
-                (ino, mode, nlink, uid, gid, size, now, now, now, rdev, target),
+                "rdev, generation, target, alloc) VALUES (?,?,?,?,?,?,?,?,?,?,0,?,?)",
+                (
+                    ino,
+                    mode,
+                    nlink,
+                    uid,
+                    gid,
+                    size,
+                    now,
+                    now,
+                    now,
+                    rdev,
+                    target,
+                    0 if kind == stat.S_IFREG else -1,
+                ),
             )
             self._x(
                 c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino)
@@ -621,7 +673,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     raise MetaError(errno.EINVAL, f"negative size {size}")
                 if size != a.size:
                     if size < a.size:
-                        self._trim_extents(c, ino, size)
+                        a.alloc = self._trim_extents(c, ino, size)
                     a.size = size
                     a.generation += 1
                 if mtime_ns is None:  # a truncate marks mtime even at the same size (Linux)
@@ -645,7 +697,8 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             )
             return a
 
-    def _trim_extents(self, c: Any, ino: int, size: int) -> None:
+    def _trim_extents(self, c: Any, ino: int, size: int) -> int:
+        """Cut a file's extents at `size`; the bytes they still cover."""
         keep: list[Extent] = []
         delta: Counter[bytes] = Counter()
         for e in unpack_extents(self._blob(c, ino)):
@@ -655,8 +708,14 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 keep.append(Extent(e.offset, size - e.offset, e.chunk_id, e.chunk_off))
             else:
                 delta[e.chunk_id] -= 1
-        self._x(c, "UPDATE inodes SET extents = ? WHERE ino = ?", (pack_extents(keep), ino))
+        alloc = sum(e.length for e in keep)
+        self._x(
+            c,
+            "UPDATE inodes SET extents = ?, alloc = ? WHERE ino = ?",
+            (pack_extents(keep), alloc, ino),
+        )
         self._adjust_refs(c, dict(delta))
+        return alloc
 
     def readlink(self, ino: int) -> bytes:
         with self._read() as c:
@@ -740,8 +799,8 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             self._x(
                 c,
                 "UPDATE inodes SET size = ?, mtime = ?, ctime = ?, generation = generation + 1, "
-                "extents = ? WHERE ino = ?",
-                (size, mt, now, pack_extents(extents), ino),
+                "extents = ?, alloc = ? WHERE ino = ?",
+                (size, mt, now, pack_extents(extents), sum(e.length for e in extents), ino),
             )
             return self._getattr(c, ino)
 

@@ -28,7 +28,8 @@ SCHEMA = [
         uid INTEGER NOT NULL, gid INTEGER NOT NULL, size INTEGER NOT NULL,
         atime INTEGER NOT NULL, mtime INTEGER NOT NULL, ctime INTEGER NOT NULL,
         rdev INTEGER NOT NULL DEFAULT 0, generation INTEGER NOT NULL DEFAULT 0,
-        target BLOB NOT NULL DEFAULT x'', extents BLOB NOT NULL DEFAULT x'')""",
+        target BLOB NOT NULL DEFAULT x'', extents BLOB NOT NULL DEFAULT x'',
+        alloc INTEGER NOT NULL DEFAULT -1)""",
     """CREATE TABLE IF NOT EXISTS dentries (
         id INTEGER PRIMARY KEY, parent INTEGER NOT NULL, name BLOB NOT NULL,
         ino INTEGER NOT NULL, UNIQUE (parent, name))""",
@@ -94,6 +95,8 @@ class SqliteEngine(SqlEngine):
         self._depth = 0
         self._full = False  # the connection is at synchronous=FULL
         self._deferring = False  # automatic WAL checkpoints are off
+        if not inline:  # the inline connection opens after the volume's own one
+            self._upgrade_schema()
 
     def _ddl(self) -> list[str]:
         return SCHEMA

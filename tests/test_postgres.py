@@ -472,9 +472,10 @@ def test_column_checks_match_the_rank_by_rank_checks(tmp_path):
         assert out == [None]
         assert t[:8] == (r, *alone[1:8]), r  # index, job, step, rank, files, host, digest, bytes
         assert t[8] == (r % 5 != 1), r  # self-contained
-        size, paths, chunks, exts, dirs = t[9]
-        assert (size, paths, chunks, dirs) == (*alone[9][:3], alone[9][4]), r
+        size, paths, chunks, exts, dirs, alloc = t[9]
+        assert (size, paths, chunks, dirs, alloc) == (*alone[9][:3], *alone[9][4:]), r
         assert exts == (b"" if t[8] else alone[9][3]), r
+        assert alloc == [10 * (len(f[3]) // EXT.size) for f in t[4]], r  # holes excluded
         assert [f[0] for f in t[4]] == sorted(f[0] for f in t[4])
     v.close()
 
@@ -532,3 +533,56 @@ def test_special_files_keep_type_and_device_number(vol):
             m.create(ROOT_INO, b"bad", mode | 0o600, 0, 0, rdev=rdev)
         assert e.value.errno == errno.EINVAL
     assert sorted(d.name for d in m.readdir(ROOT_INO, 0)) == [b"dev", b"fifo", b"sock"]
+
+
+def test_blocks_count_stored_bytes_not_holes(vol):
+    """st_blocks (Attr.blocks) counts the bytes a file's extents cover: a sparse file's
+    holes take none, whether written by a file commit, cut by a truncate, grown by one,
+    or committed by a checkpoint rank."""
+    from metadata.checkpoints import CHK, EXT
+
+    m = vol.meta
+    f = m.create(ROOT_INO, b"sparse", stat.S_IFREG | 0o644, 0, 0)
+    assert (f.alloc, f.blocks) == (0, 0)
+    a, b = _cid(b"blk-a"), _cid(b"blk-b")
+    g = 2**30
+    m.commit_file(f.ino, [Extent(0, 4096, a), Extent(g, 1000, b)], g + 1000,
+                  [NewChunk(a, 4096, 10), NewChunk(b, 1000, 10)])  # fmt: skip
+    assert (m.getattr(f.ino).alloc, m.getattr(f.ino).blocks) == (5096, 10)
+    assert m.setattr(f.ino, size=2**40).blocks == 10  # a huge truncate up: all hole
+    assert m.setattr(f.ino, size=100).alloc == 100  # cut inside the first extent
+    d = m.create(ROOT_INO, b"d", stat.S_IFDIR | 0o755, 0, 0)
+    assert d.alloc == -1 and d.blocks == 0  # not kept for directories: from the size
+    m.begin("blk", 1, 1)
+    c = _cid(b"blk-c")
+    m.commit_rank("blk", 1, 0, [{"path": "holey", "size": 3 * g,
+                                 "extents": EXT.pack(g, 512, 0, c),
+                                 "new_chunks": CHK.pack(c, 512, 10, 1)}])  # fmt: skip
+    root = m.lookup(ROOT_INO, b"blk")
+    step = m.lookup(root.ino, m.readdir(root.ino, 0)[0].name)
+    holey = m.lookup(step.ino, b"holey")
+    assert (holey.size, holey.alloc, holey.blocks) == (3 * g, 512, 1)
+
+
+def test_an_older_volume_gets_the_alloc_column_at_open(tmp_path):
+    """A volume made before inodes.alloc: opening it adds the column; its files report
+    st_blocks from their size until they are written again."""
+    import sqlite3
+
+    from metadata.sqlite import SqliteEngine
+
+    v = Volume.create(str(tmp_path / "vol"), nodes=2)
+    f = v.meta.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
+    v.meta.setattr(f.ino, size=10_000)
+    path = v.meta.path
+    v.close()
+    db = sqlite3.connect(path)
+    db.execute("ALTER TABLE inodes DROP COLUMN alloc")
+    db.commit()
+    db.close()
+    m = SqliteEngine(path)
+    a = m.getattr(f.ino)
+    assert (a.size, a.alloc, a.blocks) == (10_000, -1, 20)
+    m.setattr(f.ino, size=0)
+    assert m.getattr(f.ino).blocks == 0
+    m.close()
