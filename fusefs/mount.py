@@ -343,12 +343,12 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def rmdir(self, parent_inode, name, ctx):
-        await self._local_call("rmdir", parent_inode, name)
+        await self._maybe_orphan(await self._local_call("rmdir", parent_inode, name, keep=True))
 
     @handler
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
         replaced = await self._local_call(
-            "rename", parent_inode_old, name_old, parent_inode_new, name_new, flags
+            "rename", parent_inode_old, name_old, parent_inode_new, name_new, flags, keep=True
         )
         if replaced is not None:
             await self._maybe_orphan(replaced)

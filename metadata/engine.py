@@ -222,13 +222,23 @@ class MetaEngine(ABC):
         """
 
     @abstractmethod
-    def rmdir(self, parent: int, name: bytes) -> None: ...
+    def rmdir(self, parent: int, name: bytes, *, keep: bool = False) -> Attr:
+        """Remove an empty directory; its attrs, with no links. keep=True leaves the inode
+        until `forget_orphan` (the mount: the kernel may still hold it)."""
 
     @abstractmethod
     def rename(
-        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+        self,
+        parent: int,
+        name: bytes,
+        new_parent: int,
+        new_name: bytes,
+        flags: int = 0,
+        *,
+        keep: bool = False,
     ) -> Attr | None:
-        """Atomic rename; returns the replaced inode's attrs (nlink already dropped) if any."""
+        """Atomic rename; returns the replaced inode's attrs (nlink already dropped) if any:
+        a file's always, a directory's with keep=True (then kept as rmdir keeps it)."""
 
     @abstractmethod
     def readdir(self, ino: int, offset: int, limit: int = 1000) -> list[DirEntry]: ...

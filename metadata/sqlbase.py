@@ -518,7 +518,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             self._touch_dir(c, parent)
             return self._getattr(c, a.ino)
 
-    def rmdir(self, parent: int, name: bytes) -> None:
+    def rmdir(self, parent: int, name: bytes, *, keep: bool = False) -> Attr:
         check_name(name)
         with self._tx() as c:
             a = self._lookup(c, parent, name)
@@ -527,9 +527,18 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             if self._one(c, "SELECT 1 FROM dentries WHERE parent = ? LIMIT 1", (a.ino,)):
                 raise MetaError(errno.ENOTEMPTY, f"{name!r} is not empty")
             self._x(c, "DELETE FROM dentries WHERE parent = ? AND name = ?", (parent, name))
-            self._x(c, "DELETE FROM xattrs WHERE ino = ?", (a.ino,))
-            self._x(c, "DELETE FROM inodes WHERE ino = ?", (a.ino,))
             self._touch_dir(c, parent, -1)
+            return self._drop_dir(c, a.ino, keep)
+
+    def _drop_dir(self, c: Any, ino: int, keep: bool) -> Attr:
+        """A directory's last name went: delete it, or (keep) leave it as an orphan with
+        no links, for the mount to delete at the kernel's FORGET (`forget_orphan`): a
+        process sitting in it, or holding it open, may still fstat it, as on ext4."""
+        self._x(c, "UPDATE inodes SET nlink = 0, size = 0, ctime = ? WHERE ino = ?", (_now(), ino))
+        a = self._getattr(c, ino)
+        if not keep:
+            self._drop_inode_if_orphan(c, ino)
+        return a
 
     def _is_ancestor(self, c: Any, anc: int, ino: int) -> bool:
         """Is `anc` the directory `ino` or one of its ancestors?"""
@@ -548,7 +557,14 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 raise MetaError(errno.ELOOP, "directory tree loop")
 
     def rename(
-        self, parent: int, name: bytes, new_parent: int, new_name: bytes, flags: int = 0
+        self,
+        parent: int,
+        name: bytes,
+        new_parent: int,
+        new_name: bytes,
+        flags: int = 0,
+        *,
+        keep: bool = False,
     ) -> Attr | None:
         check_name(name)
         check_name(new_name)
@@ -602,8 +618,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     c, "DELETE FROM dentries WHERE parent = ? AND name = ?", (new_parent, new_name)
                 )
                 if dst.is_dir:
-                    self._x(c, "DELETE FROM xattrs WHERE ino = ?", (dst.ino,))
-                    self._x(c, "DELETE FROM inodes WHERE ino = ?", (dst.ino,))
+                    dst = self._drop_dir(c, dst.ino, keep)
                     self._touch_dir(c, new_parent, -1)
                 else:
                     self._x(
@@ -626,7 +641,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     self._touch_dir(c, new_parent)
             if dst is not None and not dst.is_dir:
                 return self._getattr(c, dst.ino)
-            return None
+            return dst if dst is not None and keep else None
 
     def readdir(self, ino: int, offset: int, limit: int = 1000) -> list[DirEntry]:
         cols = ", ".join("i." + k.strip() for k in _ATTR_COLS.split(","))

@@ -8,6 +8,7 @@ import hashlib
 import os
 import random
 import shutil
+import stat
 import subprocess
 import tarfile
 import threading
@@ -235,12 +236,20 @@ def _digest(root: str) -> dict[str, str]:
 
 def test_directory_remade_while_the_old_one_is_held_open(mounted):
     """rm -rf out && mkdir out while a process sits in out/: the new directory works (the
-    kernel must not take it for the removed one), and the removed one reads as empty."""
+    kernel must not take it for the removed one), the removed one still answers fstat
+    with no links (as on ext4) and takes no new entries, and nothing of it is left once
+    it is let go."""
+    from fusefs.volume import Volume
+
     d = os.path.join(mounted.mp, "out")
     os.mkdir(d)
     fd = os.open(d, os.O_RDONLY)
     try:
         os.rmdir(d)
+        st = os.fstat(fd)
+        assert stat.S_ISDIR(st.st_mode) and st.st_nlink == 0
+        with pytest.raises(FileNotFoundError):
+            os.open("x", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd)
         os.mkdir(d)
         _write(os.path.join(d, "f"), b"x")
         os.mkdir(os.path.join(d, "sub"))
@@ -249,6 +258,7 @@ def test_directory_remade_while_the_old_one_is_held_open(mounted):
         fd2 = os.open(os.path.join(mounted.mp, "other"), os.O_RDONLY)
         try:  # a directory replaced by a rename, while held open
             os.rename(os.path.join(d, "sub"), os.path.join(mounted.mp, "other"))
+            assert os.fstat(fd2).st_nlink == 0
             os.mkdir(os.path.join(mounted.mp, "other2"))
             _write(os.path.join(mounted.mp, "other2", "g"), b"y")
             assert os.listdir(os.path.join(mounted.mp, "other2")) == ["g"]
@@ -256,6 +266,9 @@ def test_directory_remade_while_the_old_one_is_held_open(mounted):
             os.close(fd2)
     finally:
         os.close(fd)
+    mounted.unmount()
+    with Volume.open(mounted.volume) as v:
+        assert v.meta.purge_orphans() == 0  # the removed directories went at unmount
 
 
 def test_timestamps_of_truncate_and_unflushed_writes(mounted):

@@ -586,3 +586,30 @@ def test_an_older_volume_gets_the_alloc_column_at_open(tmp_path):
     m.setattr(f.ino, size=0)
     assert m.getattr(f.ino).blocks == 0
     m.close()
+
+
+def test_removed_directory_kept_until_forgotten(vol):
+    """rmdir and rename-over with keep=True (the mount) leave the directory's inode, with
+    no links, until forget_orphan; without keep it goes at once."""
+    m = vol.meta
+    a = m.create(ROOT_INO, b"a", stat.S_IFDIR | 0o755, 0, 0)
+    m.set_xattr(a.ino, b"user.k", b"v")
+    gone = m.rmdir(ROOT_INO, b"a", keep=True)
+    assert gone.is_dir and gone.nlink == 0 and m.getattr(a.ino).nlink == 0
+    with pytest.raises(MetaError):
+        m.lookup(ROOT_INO, b"a")
+    assert m.getattr(ROOT_INO).nlink == 2
+    m.forget_orphan(a.ino)
+    with pytest.raises(MetaError) as e:
+        m.getattr(a.ino)
+    assert e.value.errno == errno.ENOENT
+    b = m.create(ROOT_INO, b"b", stat.S_IFDIR | 0o755, 0, 0)
+    m.rmdir(ROOT_INO, b"b")
+    with pytest.raises(MetaError):
+        m.getattr(b.ino)
+    src = m.create(ROOT_INO, b"src", stat.S_IFDIR | 0o755, 0, 0)
+    dst = m.create(ROOT_INO, b"dst", stat.S_IFDIR | 0o755, 0, 0)
+    replaced = m.rename(ROOT_INO, b"src", ROOT_INO, b"dst", keep=True)
+    assert replaced.ino == dst.ino and replaced.nlink == 0
+    assert m.lookup(ROOT_INO, b"dst").ino == src.ino
+    assert m.purge_orphans() == 1
