@@ -325,6 +325,7 @@ class FileState:
     error: Exception | None = None
     opens: int = 0
     mtime_ns: int = 0
+    pending: int = 0  # bytes written since the last commit (st_blocks of unflushed data)
     read_end: int = -1
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
     _starts: list[int] | None = None
@@ -445,6 +446,7 @@ class FileCache:
         for idx, blk in list(st.blocks.items()):
             self._forget_block(st, idx, blk)
         st.committed = st.version
+        st.pending = 0
         st.new_chunks.clear()
 
     def _forget_block(self, st: FileState, idx: int, blk: DirtyBlock) -> None:
@@ -480,6 +482,7 @@ class FileCache:
                 self._lru.move_to_end((st.ino, idx))
             pos += take
             st.size = max(st.size, at + take)
+            st.pending += take
             st.touch()
             if blk.covers(bs):
                 await self.seal(st, blk)
@@ -668,7 +671,7 @@ class FileCache:
                 raise FileError(errno.EIO, f"write error on inode {st.ino}: {st.error}")
             if not st.dirty:
                 return
-            version, size = st.version, st.size
+            version, size, pending = st.version, st.size, st.pending
             extents = clip(st.extents, size)
             chunks = dict(st.new_chunks)
             attr = await self.meta(
@@ -678,6 +681,7 @@ class FileCache:
                 st.new_chunks.pop(cid, None)
             st.attr = attr
             st.committed = version
+            st.pending -= pending
 
     async def _commit_small(self, st: FileState) -> bool:
         """A file that is one small, fully written block: hash, store and commit in one call.
@@ -695,7 +699,7 @@ class FileCache:
         if isinstance(blk.buf, bytearray):
             self.pool.put(blk.buf)
         st.sealing[idx] = memoryview(data)
-        version, size, mtime_ns = st.version, st.size, st.mtime_ns
+        version, size, mtime_ns, pending = st.version, st.size, st.mtime_ns, st.pending
         chunks = dict(st.new_chunks)
         base = st.extents
 
@@ -740,6 +744,7 @@ class FileCache:
             st.new_chunks.pop(c, None)
         st.attr = attr
         st.committed = version
+        st.pending -= pending
         return True
 
     def _commit_known_inline(

@@ -53,6 +53,7 @@ log = logging.getLogger("ckptfs.mount")
 
 ENTRY_TIMEOUT = 1.0
 ATTR_TIMEOUT = 1.0
+DOTS = 2  # readdir cookies 1 and 2 are "." and ".."
 WAL_CHECK_S = 0.5  # the mount checkpoints the metadata WAL this often while it is written
 BLKSIZE = 1 << 20  # st_blksize: stdio, cp and dd pick their buffer size from it
 CONTROL_FLUSH = b"user.ckptfs.flush"  # setxattr on the root: drain the write-behind tier
@@ -90,6 +91,9 @@ def handler(fn: Callable) -> Callable:
 class Handle:
     st: FileState
     flags: int
+    # The opener's groups when it lacks CAP_FSETID (not root), else None: its writes
+    # clear the file's setuid/setgid bits (`_kill_privs`).
+    groups: frozenset[int] | None = None
 
 
 class CkptFS(pyfuse3.Operations):
@@ -214,7 +218,8 @@ class CkptFS(pyfuse3.Operations):
             return a
         v = Attr(**a.__dict__)
         v.size, v.mtime_ns = st.size, st.mtime_ns
-        v.alloc = -1  # unflushed writes: count the size until the close commits them
+        if v.alloc >= 0:  # unflushed writes count as stored (at most the size)
+            v.alloc = min(st.size, v.alloc + st.pending)
         v.ctime_ns = max(v.ctime_ns, st.mtime_ns)  # a write changes ctime too
         return v
 
@@ -414,13 +419,25 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def readdir(self, fh, start_id, token):
-        off = start_id
+        """ "." and ".." first, as every Linux filesystem lists them (cookies 1 and 2; an
+        entry's cookie is its engine offset + DOTS). The kernel takes no lookup of those
+        two from a readdirplus reply, so they are not counted."""
+        if start_id < DOTS:
+            dots = [(b".", fh), (b"..", await self._local_call("parent", fh))]
+            for k in range(start_id, DOTS):
+                name, ino = dots[k]
+                attr = self._entry(await self._getattr(ino))
+                if not pyfuse3.readdir_reply(token, name, attr, k + 1):
+                    return
+        off = max(start_id - DOTS, 0)
         for _ in range(1 << 30):
             batch = await self.meta(self.vol.meta.readdir, fh, off, 512)
             if not batch:
                 return
             for e in batch:
-                if not pyfuse3.readdir_reply(token, e.name, self._entry(e.attr), e.next_offset):
+                if not pyfuse3.readdir_reply(
+                    token, e.name, self._entry(e.attr), e.next_offset + DOTS
+                ):
                     return
                 self.lookups[e.attr.ino] = self.lookups.get(e.attr.ino, 0) + 1
             off = batch[-1].next_offset
@@ -467,11 +484,26 @@ class CkptFS(pyfuse3.Operations):
         return cap
 
     # -- files ---------------------------------------------------------------------
-    def _new_fh(self, st: FileState, flags: int) -> int:
+    def _new_fh(self, st: FileState, flags: int, ctx: pyfuse3.RequestContext) -> int:
         fh = self._next_fh
         self._next_fh += 1
-        self.handles[fh] = Handle(st, flags)
+        groups = None if ctx.uid == 0 else frozenset(_groups(ctx))
+        self.handles[fh] = Handle(st, flags, groups)
         return fh
+
+    async def _kill_privs(self, st: FileState, groups: frozenset[int]) -> None:
+        """A write (or O_TRUNC open) by a process without CAP_FSETID clears the file's
+        setuid bit, and its setgid bit when group-executable or when the writer is not
+        in the file's group: Linux's should_remove_suid. The kernel leaves this to the
+        filesystem here (FUSE passes no such flag to pyfuse3's write, and its own clearing
+        keeps a setgid bit without group-execute)."""
+        mode = st.attr.mode
+        kill = mode & stat.S_ISUID
+        if mode & stat.S_ISGID and (mode & stat.S_IXGRP or st.attr.gid not in groups):
+            kill |= stat.S_ISGID
+        if kill:
+            st.attr = await self._local_call("setattr", st.ino, mode=mode & ~kill)
+            await trio.to_thread.run_sync(_invalidate_attr, st.ino)
 
     @handler
     async def create(self, parent_inode, name, mode, flags, ctx):
@@ -479,7 +511,7 @@ class CkptFS(pyfuse3.Operations):
         entry = self._ref(a)
         st = await self.cache.open_state(a)
         self.page_gen[a.ino] = a.generation
-        fi = pyfuse3.FileInfo(fh=self._new_fh(st, flags))
+        fi = pyfuse3.FileInfo(fh=self._new_fh(st, flags, ctx))
         fi.keep_cache = True
         fi.direct_io = _write_only(flags)
         return fi, entry
@@ -513,7 +545,11 @@ class CkptFS(pyfuse3.Operations):
             keep = False  # direct writes bypassed the pages the kernel may hold
             self.direct_written.discard(inode)
         self.page_gen[inode] = st.attr.generation
-        fi = pyfuse3.FileInfo(fh=self._new_fh(st, flags))
+        fh = self._new_fh(st, flags, ctx)
+        groups = self.handles[fh].groups
+        if flags & os.O_TRUNC and groups is not None:
+            await self._kill_privs(st, groups)  # a truncating open is a write
+        fi = pyfuse3.FileInfo(fh=fh)
         fi.keep_cache = keep
         fi.direct_io = direct
         return fi
@@ -534,6 +570,8 @@ class CkptFS(pyfuse3.Operations):
         h = self.handles[fh]
         if _write_only(h.flags):
             self.direct_written.add(h.st.ino)
+        if h.groups is not None and h.st.attr.mode & (stat.S_ISUID | stat.S_ISGID):
+            await self._kill_privs(h.st, h.groups)
         return await self.cache.write(h.st, off, buf)
 
     async def _commit(self, st: FileState) -> None:
@@ -586,7 +624,10 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def listxattr(self, inode, ctx):
-        return await self.meta(self.vol.meta.list_xattr, inode)
+        names = await self.meta(self.vol.meta.list_xattr, inode)
+        if ctx.uid != 0:  # trusted.* is for CAP_SYS_ADMIN: not even its names (as ext4)
+            names = [n for n in names if not n.startswith(b"trusted.")]
+        return names
 
     @handler
     async def removexattr(self, inode, name, ctx):

@@ -261,6 +261,11 @@ class MetaEngine(ABC):
     def readlink(self, ino: int) -> bytes: ...
 
     @abstractmethod
+    def parent(self, ino: int) -> int:
+        """The directory holding a directory's name (the root's is the root): readdir's
+        ".." entry. ENOENT for a directory that has no name any more."""
+
+    @abstractmethod
     def forget_orphan(self, ino: int) -> None:
         """Delete an inode with nlink 0 and release its chunks (no-op otherwise)."""
 

@@ -666,6 +666,9 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
     ) -> Attr:
+        for t in (atime_ns, mtime_ns):
+            if t is not None and not -(2**63) <= t < 2**63:  # years 1677-2262
+                raise MetaError(errno.EOVERFLOW, "time out of the range a volume keeps")
         with self._tx() as c:
             a = self._getattr(c, ino)
             now = _now()
@@ -731,6 +734,15 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         )
         self._adjust_refs(c, dict(delta))
         return alloc
+
+    def parent(self, ino: int) -> int:
+        if ino == ROOT_INO:
+            return ROOT_INO
+        with self._read() as c:
+            row = self._one(c, "SELECT parent FROM dentries WHERE ino = ? LIMIT 1", (ino,))
+        if row is None:
+            raise MetaError(errno.ENOENT, f"inode {ino} has no name")
+        return int(row[0])
 
     def readlink(self, ino: int) -> bytes:
         with self._read() as c:
@@ -902,7 +914,9 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         with self._read() as c:
             files, logical = self._one(
                 c,
-                "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM inodes WHERE nlink > 0 AND "
+                # size * 1.0: a REAL sum in SQLite, NUMERIC in PostgreSQL; an INTEGER sum
+                # overflows past 2**63-1 bytes (two 2**62 sparse files) and failed statfs
+                "SELECT COUNT(*), COALESCE(SUM(size * 1.0), 0) FROM inodes WHERE nlink > 0 AND "
                 f"(mode & {0o170000}) = {stat.S_IFREG}",
             )
             inodes = self._one(c, "SELECT COUNT(*) FROM inodes")[0]

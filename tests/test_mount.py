@@ -660,3 +660,46 @@ def test_parallel_sequential_readers_fetch_each_chunk_about_once(tmp_path):
     # completion enough for a rare second fetch, so allow 5%.
     assert len(fetched) == 8 * 24
     assert sum(fetched.values()) <= 1.05 * 8 * 24, fetched.most_common(3)
+
+
+def test_huge_sizes_and_far_times_are_clear_errors_or_work(mounted):
+    """Sizes summing past 2**63-1 bytes still leave statfs working; a time the volume
+    cannot keep (ns past 2**63, the year 2262) is EOVERFLOW and changes nothing."""
+    for name in ("h1", "h2"):
+        with open(mounted.path(name), "wb") as f:
+            f.truncate(2**62)
+    _write(mounted.path("small"), b"x")
+    st = os.statvfs(mounted.mp)
+    assert st.f_namemax == 255 and st.f_blocks > 0
+    p = mounted.path("small")
+    before = os.stat(p).st_mtime_ns
+    with pytest.raises(OSError) as e:
+        os.utime(p, ns=(0, 2**63))
+    assert e.value.errno == errno.EOVERFLOW
+    assert os.stat(p).st_mtime_ns == before
+    os.utime(p, ns=(0, -(10**18)))  # 1938: kept
+    assert os.stat(p).st_mtime_ns == -(10**18)
+
+
+def test_blocks_of_a_sparse_file_being_written(mounted):
+    """du of a sparse file still being written counts what was written, not its size."""
+    p = mounted.path("growing")
+    fd = os.open(p, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.ftruncate(fd, 2**40)
+        os.pwrite(fd, b"tail!", 2**40 - 5)
+        assert os.fstat(fd).st_blocks * 512 < MiB
+    finally:
+        os.close(fd)
+    assert os.stat(p).st_blocks * 512 <= 4 * MiB + 512  # the one chunk written
+
+
+def test_listing_shows_dot_and_dotdot(mounted):
+    """ls -a lists "." and ".." with the inode numbers of the directory and its parent."""
+    os.makedirs(mounted.path("d", "e"))
+    out = subprocess.run(["ls", "-ai", mounted.path("d")], capture_output=True, text=True,
+                         check=True, timeout=30).stdout.split()  # fmt: skip
+    ino = dict(zip(out[1::2], map(int, out[0::2]), strict=True))
+    assert ino == {".": os.stat(mounted.path("d")).st_ino, "..": os.stat(mounted.mp).st_ino,
+                   "e": os.stat(mounted.path("d", "e")).st_ino}  # fmt: skip
+    assert sorted(os.listdir(mounted.mp)) == ["d"]

@@ -267,3 +267,41 @@ def test_fifos_sockets_and_device_nodes(public_dir, new_volume, mount_factory):
     for p in (fifo, sock, dev):
         os.unlink(p)
     assert sorted(os.listdir(m.mp)) == ["nobodys-fifo"]
+
+
+def test_writes_by_others_clear_setuid_and_setgid(public_dir, new_volume, mount_factory):
+    """A write or truncating open by a process without CAP_FSETID clears setuid, and setgid
+    when group-executable or when the writer is not in the file's group, through
+    write-only (direct I/O) and read-write handles alike, as on ext4. Root's writes keep
+    them. And trusted.* attribute names are not listed to other users."""
+    m = mount_factory(new_volume(), os.path.join(public_dir, "mnt"), "--allow-other")
+    os.chmod(m.mp, 0o777)
+    cases = [
+        ("open(sys.argv[1], 'r+b').write(b'n')", 0o6777, 0o777),  # read-write handle
+        ("open(sys.argv[1], 'wb').write(b'n')", 0o6777, 0o777),  # O_WRONLY|O_TRUNC
+        ("os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_TRUNC))", 0o4777, 0o777),
+        ("fd = os.open(sys.argv[1], os.O_WRONLY)\nos.pwrite(fd, b'n', 5)", 0o2767, 0o767),
+        ("fd = os.open(sys.argv[1], os.O_RDWR)\nos.pwrite(fd, b'n', 5)", 0o2767, 0o767),
+    ]
+    for i, (code, before, after) in enumerate(cases):
+        p = m.path(f"f{i}")
+        _write_root(p, b"0123456789", before)
+        assert _as_nobody(code, p).stdout.strip() == "OK", code
+        assert os.stat(p).st_mode & 0o7777 == after, (code, oct(os.stat(p).st_mode))
+    p = m.path("roots")
+    _write_root(p, b"x", 0o6755)
+    with open(p, "r+b") as f:
+        f.write(b"y")
+    assert os.stat(p).st_mode & 0o7777 == 0o6755  # root has CAP_FSETID
+    os.chmod(p, 0o644)
+    os.setxattr(p, "trusted.secret", b"s")
+    os.setxattr(p, "user.plain", b"p")
+    code = "print(sorted(os.listxattr(sys.argv[1])))"
+    assert _as_nobody(code, p).stdout.split("\n")[0] == "['user.plain']"
+    assert sorted(os.listxattr(p)) == ["trusted.secret", "user.plain"]
+
+
+def _write_root(path: str, data: bytes, mode: int) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)

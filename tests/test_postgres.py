@@ -593,9 +593,14 @@ def test_removed_directory_kept_until_forgotten(vol):
     no links, until forget_orphan; without keep it goes at once."""
     m = vol.meta
     a = m.create(ROOT_INO, b"a", stat.S_IFDIR | 0o755, 0, 0)
+    sub = m.create(a.ino, b"sub", stat.S_IFDIR | 0o755, 0, 0)
+    assert (m.parent(sub.ino), m.parent(a.ino), m.parent(ROOT_INO)) == (a.ino, ROOT_INO, ROOT_INO)
+    m.rmdir(a.ino, b"sub")
     m.set_xattr(a.ino, b"user.k", b"v")
     gone = m.rmdir(ROOT_INO, b"a", keep=True)
     assert gone.is_dir and gone.nlink == 0 and m.getattr(a.ino).nlink == 0
+    with pytest.raises(MetaError):
+        m.parent(a.ino)  # no name any more
     with pytest.raises(MetaError):
         m.lookup(ROOT_INO, b"a")
     assert m.getattr(ROOT_INO).nlink == 2
