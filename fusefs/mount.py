@@ -422,11 +422,12 @@ class CkptFS(pyfuse3.Operations):
         """ "." and ".." first, as every Linux filesystem lists them (cookies 1 and 2; an
         entry's cookie is its engine offset + DOTS). The kernel takes no lookup of those
         two from a readdirplus reply, so they are not counted."""
-        if start_id < DOTS:
+        if start_id < DOTS:  # the kernel uses only their inode number and type
             dots = [(b".", fh), (b"..", await self._local_call("parent", fh))]
             for k in range(start_id, DOTS):
                 name, ino = dots[k]
-                attr = self._entry(await self._getattr(ino))
+                attr = pyfuse3.EntryAttributes()
+                attr.st_ino, attr.st_mode = ino, stat.S_IFDIR
                 if not pyfuse3.readdir_reply(token, name, attr, k + 1):
                     return
         off = max(start_id - DOTS, 0)
@@ -484,25 +485,38 @@ class CkptFS(pyfuse3.Operations):
         return cap
 
     # -- files ---------------------------------------------------------------------
-    def _new_fh(self, st: FileState, flags: int, ctx: pyfuse3.RequestContext) -> int:
+    def _new_fh(self, st: FileState, flags: int, groups: frozenset[int] | None) -> int:
         fh = self._next_fh
         self._next_fh += 1
-        groups = None if ctx.uid == 0 else frozenset(_groups(ctx))
         self.handles[fh] = Handle(st, flags, groups)
         return fh
 
-    async def _kill_privs(self, st: FileState, groups: frozenset[int]) -> None:
-        """A write (or O_TRUNC open) by a process without CAP_FSETID clears the file's
-        setuid bit, and its setgid bit when group-executable or when the writer is not
-        in the file's group: Linux's should_remove_suid. The kernel leaves this to the
-        filesystem here (FUSE passes no such flag to pyfuse3's write, and its own clearing
-        keeps a setgid bit without group-execute)."""
-        mode = st.attr.mode
-        kill = mode & stat.S_ISUID
-        if mode & stat.S_ISGID and (mode & stat.S_IXGRP or st.attr.gid not in groups):
+    @staticmethod
+    def _opener(a: Attr, ctx: pyfuse3.RequestContext) -> frozenset[int] | None:
+        """The groups `_kill_privs` checks a writer against; None for root (CAP_FSETID).
+        Only a setgid file without group-execute needs the supplementary groups, which
+        cost a read of /proc on the loop."""
+        if ctx.uid == 0:
+            return None
+        if a.mode & (stat.S_ISGID | stat.S_IXGRP) == stat.S_ISGID:
+            return frozenset(_groups(ctx))
+        return frozenset([ctx.gid])
+
+    def _kill_bits(self, a: Attr, groups: frozenset[int]) -> int:
+        """The bits a write by a process without CAP_FSETID clears: setuid, and setgid
+        when group-executable or when the writer is not in the file's group (Linux's
+        should_remove_suid and, since 6.2, setattr_should_drop_sgid). The kernel leaves
+        this to the filesystem here: FUSE passes no such flag to pyfuse3's write, and its
+        own clearing keeps a setgid bit without group-execute."""
+        kill = a.mode & stat.S_ISUID
+        if a.mode & stat.S_ISGID and (a.mode & stat.S_IXGRP or a.gid not in groups):
             kill |= stat.S_ISGID
+        return kill
+
+    async def _kill_privs(self, st: FileState, groups: frozenset[int]) -> None:
+        kill = self._kill_bits(st.attr, groups)
         if kill:
-            st.attr = await self._local_call("setattr", st.ino, mode=mode & ~kill)
+            st.attr = await self._local_call("setattr", st.ino, clear_mode=kill)
             await trio.to_thread.run_sync(_invalidate_attr, st.ino)
 
     @handler
@@ -511,7 +525,7 @@ class CkptFS(pyfuse3.Operations):
         entry = self._ref(a)
         st = await self.cache.open_state(a)
         self.page_gen[a.ino] = a.generation
-        fi = pyfuse3.FileInfo(fh=self._new_fh(st, flags, ctx))
+        fi = pyfuse3.FileInfo(fh=self._new_fh(st, flags, self._opener(a, ctx)))
         fi.keep_cache = True
         fi.direct_io = _write_only(flags)
         return fi, entry
@@ -525,17 +539,25 @@ class CkptFS(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EISDIR)
             if not a.is_reg:
                 raise pyfuse3.FUSEError(errno.EINVAL)
+            groups = self._opener(a, ctx)
+            kill = 0
             if flags & os.O_TRUNC:  # marks mtime and ctime even if already empty (POSIX)
-                a = await self.meta(lambda: self.vol.meta.setattr(inode, size=0))
+                kill = self._kill_bits(a, groups) if groups is not None else 0  # a write
+                a = await self.meta(
+                    lambda: self.vol.meta.setattr(inode, size=0, clear_mode=kill)
+                )  # fmt: skip
             keep = self.page_gen.get(inode) == a.generation
-            if not keep and inode in self.page_gen:
+            if kill or (not keep and inode in self.page_gen):
                 await trio.to_thread.run_sync(_invalidate_attr, inode)
             st = await self.cache.open_state(a)
         else:
+            groups = self._opener(st.attr, ctx)
             st.opens += 1
             try:
                 if flags & os.O_TRUNC:
                     await self._truncate(st, 0)
+                    if groups is not None:
+                        await self._kill_privs(st, groups)  # a truncating open is a write
             except BaseException:
                 st.opens -= 1
                 raise
@@ -545,11 +567,7 @@ class CkptFS(pyfuse3.Operations):
             keep = False  # direct writes bypassed the pages the kernel may hold
             self.direct_written.discard(inode)
         self.page_gen[inode] = st.attr.generation
-        fh = self._new_fh(st, flags, ctx)
-        groups = self.handles[fh].groups
-        if flags & os.O_TRUNC and groups is not None:
-            await self._kill_privs(st, groups)  # a truncating open is a write
-        fi = pyfuse3.FileInfo(fh=fh)
+        fi = pyfuse3.FileInfo(fh=self._new_fh(st, flags, groups))
         fi.keep_cache = keep
         fi.direct_io = direct
         return fi
@@ -712,7 +730,9 @@ def _tune_readahead(dev: int) -> None:
 
 def mount_options(*, allow_other: bool = False, fsname: str = "ckptfs") -> set[str]:
     opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
-    opts |= {f"fsname={fsname}", "subtype=ckptfs", "noatime"}
+    # nodev, nosuid: a device node or setuid file that any client of a shared volume can
+    # make must not act as one on this host (they are stored and listed all the same)
+    opts |= {f"fsname={fsname}", "subtype=ckptfs", "noatime", "nodev", "nosuid"}
     if allow_other:
         opts.add("allow_other")
     return opts

@@ -34,7 +34,16 @@ import msgspec
 import numpy as np
 import xxhash
 
-from metadata.engine import DURABLE, NAME_MAX, ROOT_INO, Extent, MetaError, NewChunk
+from metadata.engine import (
+    DURABLE,
+    MAX_CHUNK_BYTES,
+    NAME_MAX,
+    ROOT_INO,
+    Extent,
+    MetaError,
+    NewChunk,
+    internal_error,
+)
 
 OPEN, PUBLISHED, ABORTED, DELETED = 0, 1, 2, 3
 STATE_NAMES = {OPEN: "open", PUBLISHED: "published", ABORTED: "aborted", DELETED: "deleted"}
@@ -220,7 +229,9 @@ def _norm_files(files: Any) -> tuple[list[tuple[bytes, list[bytes], int, bytes, 
         if end > size:
             raise MetaError(errno.EINVAL, f"{path!r}: extents end at {end}, past size {size}")
         for _cid, raw_len, stored_len, st in CHK.iter_unpack(chk_blob):
-            if raw_len <= 0 or stored_len <= 0 or st > DURABLE:
+            if not (0 < raw_len < MAX_CHUNK_BYTES and 0 < stored_len < MAX_CHUNK_BYTES) or (
+                st > DURABLE
+            ):
                 raise MetaError(errno.EINVAL, f"{path!r}: bad new chunk record")
             new_bytes += raw_len
         out.append((path, parts, size, blob, chk_blob))
@@ -284,8 +295,10 @@ def _check_columns(
         last[:-1] = ~same_file
         if (end[last] > np.fromiter(sizes, np.uint64, nf)[fidx[last]]).any():
             return False, [], [], []
-        # float64 sums: exact while a file stores under 2**53 bytes (8 PiB)
-        alloc = [int(b) for b in np.bincount(fidx, weights=ln, minlength=nf).tolist()]
+        sums = np.bincount(fidx, weights=ln, minlength=nf)
+        if sums.max() >= 2**52:  # float64 sums are exact below 2**53: else the exact path
+            return False, [], [], []
+        alloc = [int(b) for b in sums.tolist()]
     else:
         alloc = [0] * nf
     new_bytes = [0] * n
@@ -293,7 +306,8 @@ def _check_columns(
         raw = np.ndarray((nc,), "<u8", chk_all, 16, (CHK.size,))
         stored = np.ndarray((nc,), "<u8", chk_all, 24, (CHK.size,))
         st = np.ndarray((nc,), "u1", chk_all, 32, (CHK.size,))
-        if ((raw == 0) | (stored == 0) | (st > DURABLE)).any():
+        big = (raw >= MAX_CHUNK_BYTES) | (stored >= MAX_CHUNK_BYTES)
+        if ((raw == 0) | (stored == 0) | big | (st > DURABLE)).any():
             return False, [], [], []
         per_file = np.bincount(np.repeat(np.arange(nf), chk_n), weights=raw, minlength=nf)
         new_bytes = [int(b) for b in np.bincount(owner, weights=per_file, minlength=n).tolist()]
@@ -333,12 +347,11 @@ def _prepare_columns(items: list[tuple]) -> list[tuple]:
     try:
         for job in set(jobs):
             _check_job(job)
-    except MetaError as e:
+    except (MetaError, TypeError, ValueError) as e:  # UnicodeError: a lone surrogate
         raise _SlowPath from e
     counts = list(map(len, files))
     if (min(steps) < 0 or max(steps) >= 2**62 or min(ranks) < 0 or max(ranks) >= 2**62
-            or max(map(len, hosts)) > 255 or min(counts) == 0
-            or max(counts) > MAX_FILES_PER_RANK):  # fmt: skip
+            or max(map(len, hosts)) > 255 or max(counts) > MAX_FILES_PER_RANK):  # fmt: skip
         raise _SlowPath
     flat = list(chain.from_iterable(files))
     if set(map(type, flat)) != {WireFile}:
@@ -402,20 +415,21 @@ def _prepare_columns(items: list[tuple]) -> list[tuple]:
     todo = []
     for k, item in enumerate(items):
         a, b = starts[k], starts[k + 1]
+        pe = p_at[b] - 1 if b > a else p_at[a]  # the rank's paths end (no files: empty)
         if shallow:
             dirs = {(p[0],) for p in parts[a:b] if len(p) == 2}
         else:
             dirs = {tuple(p[:d]) for p in parts[a:b] for d in range(1, len(p))}
         rank_parts = (
             s_at[b] - s_at[a],
-            praw[p_at[a] : p_at[b] - 1],
+            praw[p_at[a] : pe],
             chk_all[c_at[a] : c_at[b]],
             b"" if closed[k] else ext_all[e_at[a] : e_at[b]],
             dirs,
             alloc[a:b],
         )
         h = xxhash.xxh3_128(hv[hsz * a : hsz * b])
-        h.update(pv[p_at[a] : p_at[b] - 1])
+        h.update(pv[p_at[a] : pe])
         h.update(ev[e_at[a] : e_at[b]])
         h.update(cv[c_at[a] : c_at[b]])
         todo.append((k, item[0], item[1], item[2], rows[a:b], item[4], h.digest(),
@@ -434,7 +448,8 @@ def _unsorted(paths: list[bytes], starts: list[int]) -> list[int]:
     if n < 2:
         return []
     up = np.fromiter(map(lt, paths[:-1], paths[1:]), bool, n - 1)
-    up[np.array(starts[1:-1], np.int64) - 1] = True  # across a boundary: no order needed
+    cuts = np.array(starts[1:-1], np.int64)
+    up[cuts[(cuts > 0) & (cuts < n)] - 1] = True  # across a boundary: no order needed
     if up.all():
         return []
     owner = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
@@ -713,6 +728,9 @@ class CheckpointMixin:
                     except MetaError as e:
                         self._x(c, "ROLLBACK TO SAVEPOINT one")
                         res[t[0]] = e
+                    except Exception as e:  # noqa: BLE001 - e.g. a value past 2**63: this rank's
+                        self._x(c, "ROLLBACK TO SAVEPOINT one")
+                        res[t[0]] = internal_error("commit_rank", e)
                     self._x(c, "RELEASE SAVEPOINT one")
             self._x(c, "RELEASE SAVEPOINT batch")
             # Embedded use has no background applier: past a bound, apply here.

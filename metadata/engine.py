@@ -159,6 +159,17 @@ def check_name(name: bytes) -> bytes:
     return name
 
 
+MAX_CHUNK_BYTES = 1 << 40  # raw or stored length of one chunk: far past any chunker's
+
+
+def check_new_chunks(chunks: list[NewChunk]) -> None:
+    """New chunk records must have lengths a chunk can have (EINVAL, not an overflow
+    deep in the database driver)."""
+    for ch in chunks:
+        if not (0 < ch.raw_len < MAX_CHUNK_BYTES and 0 < ch.stored_len < MAX_CHUNK_BYTES):
+            raise MetaError(errno.EINVAL, f"bad length in new chunk {ch.chunk_id.hex()}")
+
+
 def check_extents(extents: list[Extent], size: int) -> None:
     """Extents must be sorted, non-overlapping, positive and inside the file."""
     if size < 0:
@@ -254,8 +265,11 @@ class MetaEngine(ABC):
         size: int | None = None,
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
+        clear_mode: int = 0,
     ) -> Attr:
-        """Change attributes; a smaller size trims extents (and drops chunk refs)."""
+        """Change attributes; a smaller size trims extents (and drops chunk refs).
+        clear_mode: mode bits to clear from the current mode, in the same transaction
+        (setuid/setgid after a write: never puts back a bit a chmod took away)."""
 
     @abstractmethod
     def readlink(self, ino: int) -> bytes: ...

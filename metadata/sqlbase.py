@@ -40,6 +40,7 @@ from metadata.engine import (
     VolumeStats,
     check_extents,
     check_name,
+    check_new_chunks,
 )
 from metadata.maintenance import MaintenanceMixin
 from metadata.retention import RetentionMixin
@@ -230,9 +231,14 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         return _attr(row)
 
     def _dir(self, c: Any, ino: int) -> Attr:
+        """A directory that still has a name. A removed one kept for a mount (`_drop_dir`)
+        is ENOENT, as Linux answers for a dead directory: another mount's kernel does not
+        know it is gone, and an entry made in it would be lost with it."""
         a = self._getattr(c, ino)
         if not a.is_dir:
             raise MetaError(errno.ENOTDIR, f"inode {ino} is not a directory")
+        if a.nlink <= 0:
+            raise MetaError(errno.ENOENT, f"directory {ino} was removed")
         return a
 
     def _touch_dir(self, c: Any, ino: int, nlink_delta: int = 0) -> None:
@@ -665,6 +671,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         size: int | None = None,
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
+        clear_mode: int = 0,
     ) -> Attr:
         for t in (atime_ns, mtime_ns):
             if t is not None and not -(2**63) <= t < 2**63:  # years 1677-2262
@@ -674,6 +681,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             now = _now()
             if mode is not None:
                 a.mode = stat.S_IFMT(a.mode) | (mode & 0o7777)
+            a.mode &= ~(clear_mode & 0o7777)
             if uid is not None:
                 a.uid = uid
             if gid is not None:
@@ -812,6 +820,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         mtime_ns: int | None = None,
     ) -> Attr:
         check_extents(extents, size)
+        check_new_chunks(new_chunks)
         with self._tx() as c:
             a = self._getattr(c, ino)
             if not a.is_reg:
@@ -922,7 +931,8 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             inodes = self._one(c, "SELECT COUNT(*) FROM inodes")[0]
             n, raw, stored, staged = self._one(
                 c,
-                "SELECT COUNT(*), COALESCE(SUM(raw_len), 0), COALESCE(SUM(stored_len), 0), "
+                "SELECT COUNT(*), COALESCE(SUM(raw_len * 1.0), 0), "
+                "COALESCE(SUM(stored_len * 1.0), 0), "
                 f"COALESCE(SUM(CASE WHEN state = {DURABLE} THEN 0 ELSE 1 END), 0) "
                 "FROM chunks WHERE refcount > 0",
             )

@@ -699,6 +699,7 @@ def test_listing_shows_dot_and_dotdot(mounted):
     os.makedirs(mounted.path("d", "e"))
     out = subprocess.run(["ls", "-ai", mounted.path("d")], capture_output=True, text=True,
                          check=True, timeout=30).stdout.split()  # fmt: skip
+    assert sorted(out[1::2]) == [".", "..", "e"]  # each once
     ino = dict(zip(out[1::2], map(int, out[0::2]), strict=True))
     assert ino == {".": os.stat(mounted.path("d")).st_ino, "..": os.stat(mounted.mp).st_ino,
                    "e": os.stat(mounted.path("d", "e")).st_ino}  # fmt: skip

@@ -273,6 +273,61 @@ def test_vectorized_batch_checks_refuse_exactly_the_bad_ranks(vol):
     assert info["new_bytes"] == 30 * (n - len(bad) - 1)
 
 
+def test_column_checks_refuse_each_bad_rank_alone(vol):
+    """The column path (typed files) must not let any bad rank through: a batch with one
+    bad rank of each kind gives that rank the error it gets alone and commits the rest;
+    a batch with a rank of no files stays on the column path."""
+    from metadata.checkpoints import BATCH_CHECK_MIN, CHK, EXT, WireFile, _prepare_columns
+
+    m = vol.meta
+    n = BATCH_CHECK_MIN + 4
+
+    def rank(step: int, r: int, how: str = "") -> list:
+        cids = [_cid(b"t%d-%d-%d" % (step, r, i)) for i in range(2)]
+        ext = [(0, 10, 0, cids[0]), (10, 10, 0, cids[1])]
+        chk = [(cid, 10, 5, 1) for cid in cids]
+        size = 20
+        if how == "overlap":
+            ext[1] = (5, 10, 0, cids[1])
+        elif how == "backwards":
+            ext = ext[::-1]
+        elif how == "past_end":
+            size = 15
+        elif how == "zero_len":
+            ext[1] = (10, 0, 0, cids[1])
+        elif how == "bad_state":
+            chk[0] = (cids[0], 10, 5, 7)
+        elif how == "zero_chunk":
+            chk[1] = (cids[1], 10, 0, 1)
+        elif how == "huge_chunk":
+            chk[1] = (cids[1], 2**40, 5, 1)
+        elif how == "empty":
+            return []
+        return [WireFile(f"d{r}/f", size, b"".join(EXT.pack(*e) for e in ext),
+                         b"".join(CHK.pack(*c) for c in chk))]  # fmt: skip
+
+    kinds = ["overlap", "backwards", "past_end", "zero_len", "bad_state", "zero_chunk",
+             "huge_chunk"]  # fmt: skip
+    for step, how in enumerate(kinds, start=1):
+        m.begin("t", step, n)
+        out = m.commit_ranks([("t", step, r, rank(step, r, how if r == 5 else ""), "h")
+                              for r in range(n - 1)])  # fmt: skip
+        for r, res in enumerate(out):
+            if r == 5:
+                assert isinstance(res, MetaError) and res.errno == errno.EINVAL, (how, res)
+                with pytest.raises(MetaError) as alone:
+                    m.commit_rank("t", step, 5, rank(step, 5, how))
+                assert str(alone.value) == str(res), how
+            else:
+                assert isinstance(res, dict) and res["state"] == "open", (how, r, res)
+    items = [("t", 99, r, rank(99, r, "empty" if r % 3 == 0 else ""), "h") for r in range(n)]
+    todo = _prepare_columns(items)  # no _SlowPath: ranks with no files stay on this path
+    for t in todo:
+        out, (alone,) = m.prepare_commits([items[t[0]]])
+        assert t[:8] == (t[0], *alone[1:8]), t[0]
+        assert (*t[9][:3], *t[9][4:]) == (*alone[9][:3], *alone[9][4:]), t[0]
+
+
 def test_grouped_journal_rows_apply_and_abort_per_rank(vol):
     """A group commit journals up to JOURNAL_GROUP ranks per row, and a rank whose extents
     are exactly its new chunks only once (`owned`). Applied, every refcount is the true
@@ -601,6 +656,20 @@ def test_removed_directory_kept_until_forgotten(vol):
     assert gone.is_dir and gone.nlink == 0 and m.getattr(a.ino).nlink == 0
     with pytest.raises(MetaError):
         m.parent(a.ino)  # no name any more
+    # another mount's kernel may not know it is gone: nothing goes into it (it would be
+    # lost with it), as Linux answers for a dead directory
+    keep = m.create(ROOT_INO, b"keep", stat.S_IFREG | 0o644, 0, 0)
+    for make in (
+        lambda: m.create(a.ino, b"x", stat.S_IFREG | 0o644, 0, 0),
+        lambda: m.create(a.ino, b"y", stat.S_IFDIR | 0o755, 0, 0),
+        lambda: m.rename(ROOT_INO, b"keep", a.ino, b"keep"),
+        lambda: m.link(keep.ino, a.ino, b"keep2"),
+        lambda: m.readdir(a.ino, 0),
+    ):
+        with pytest.raises(MetaError) as e:
+            make()
+        assert e.value.errno == errno.ENOENT
+    assert m.lookup(ROOT_INO, b"keep").ino == keep.ino
     with pytest.raises(MetaError):
         m.lookup(ROOT_INO, b"a")
     assert m.getattr(ROOT_INO).nlink == 2
