@@ -502,7 +502,8 @@ class CkptFS(pyfuse3.Operations):
             return frozenset(_groups(ctx))
         return frozenset([ctx.gid])
 
-    def _kill_bits(self, a: Attr, groups: frozenset[int]) -> int:
+    @staticmethod
+    def _kill_bits(a: Attr, groups: frozenset[int]) -> int:
         """The bits a write by a process without CAP_FSETID clears: setuid, and setgid
         when group-executable or when the writer is not in the file's group (Linux's
         should_remove_suid and, since 6.2, setattr_should_drop_sgid). The kernel leaves

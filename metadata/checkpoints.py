@@ -530,21 +530,11 @@ class CheckpointMixin:
             with self._tx() as c:
                 for stmt in self._ckpt_ddl():
                     self._x(c, stmt)
-                self._add_journal_columns(c)
+                # the journal columns a volume made before them lacks (commits write
+                # them; `_apply_journal` reads either layout, so nothing waits)
+                self._add_columns(c, "ref_journal", JOURNAL_COLUMNS)
             self._ckpt_ready = True
         return self._tx(durable=durable)
-
-    def _add_journal_columns(self, c: Any) -> None:
-        """Add the journal columns a volume made before them lacks (commits write them;
-        `_apply_journal` reads either layout, so nothing else waits for this)."""
-        for col, decl in JOURNAL_COLUMNS.items():
-            self._x(c, "SAVEPOINT probe")
-            try:
-                self._x(c, f"SELECT {col} FROM ref_journal LIMIT 0")
-            except Exception:  # noqa: BLE001 - the driver's "no such column"
-                self._x(c, "ROLLBACK TO SAVEPOINT probe")
-                self._x(c, self._ddl_text(f"ALTER TABLE ref_journal ADD COLUMN {col} {decl}"))
-            self._x(c, "RELEASE SAVEPOINT probe")
 
     def _ddl_text(self, stmt: str) -> str:
         """One DDL statement in the engine's dialect (written in SQLite's)."""

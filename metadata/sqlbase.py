@@ -146,27 +146,31 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         return self._x(c, sql, args).fetchone()
 
     # -- volume --------------------------------------------------------------
-    # Columns added since the first volumes: (table, column, declaration in SQLite's dialect).
-    UPGRADES = [("inodes", "alloc", "INTEGER NOT NULL DEFAULT -1")]
+    # Columns added since the first volumes, by table (declarations in SQLite's dialect).
+    UPGRADES = {"inodes": {"alloc": "INTEGER NOT NULL DEFAULT -1"}}
 
     def _upgrade_schema(self) -> None:
         """Add the columns a volume made by an older version lacks; called at open, before
         anything reads them. Existing rows get the declared default (alloc -1: st_blocks
         falls back to the size until the file is written again). A database not yet
         formatted is left alone: init_volume makes the whole schema."""
-        missing = []
         with self._read() as c:
-            for table, col, decl in self.UPGRADES:
-                if not self._has(c, table, "*"):
-                    return
-                if not self._has(c, table, col):
-                    missing.append((table, col, decl))
-        if not missing:
-            return
-        with self._tx() as c:
-            for table, col, decl in missing:
-                if not self._has(c, table, col):  # another process may have added it
-                    self._x(c, self._ddl_text(f"ALTER TABLE {table} ADD COLUMN {col} {decl}"))
+            todo = {
+                table: cols
+                for table, cols in self.UPGRADES.items()
+                if self._has(c, table, "*") and not all(self._has(c, table, k) for k in cols)
+            }
+        if todo:
+            with self._tx() as c:
+                for table, cols in todo.items():
+                    self._add_columns(c, table, cols)
+
+    def _add_columns(self, c: Any, table: str, cols: dict[str, str]) -> None:
+        """Add each column of `cols` (name -> declaration) that `table` lacks (checked
+        again here, in the write transaction: another process may have added it)."""
+        for col, decl in cols.items():
+            if not self._has(c, table, col):
+                self._x(c, self._ddl_text(f"ALTER TABLE {table} ADD COLUMN {col} {decl}"))
 
     def _has(self, c: Any, table: str, col: str) -> bool:
         """Does `table` exist (col "*"), or have column `col`? A failed probe is rolled back
@@ -284,7 +288,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         """Register journalled new chunks and add their references, in bulk, sorted by id.
 
         `SELECT *`: a volume made before the `owned` column reads the same until its
-        first checkpoint transaction adds it (`_add_journal_columns`)."""
+        first checkpoint transaction adds it (`_ckpt_tx`)."""
         sql = "SELECT * FROM ref_journal ORDER BY id"
         cur = self._x(c, sql + (" LIMIT ?" if limit else ""), (limit,) if limit else ())
         col = {d[0]: k for k, d in enumerate(cur.description)}

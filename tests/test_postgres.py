@@ -220,37 +220,50 @@ def test_group_commit_isolates_conflicting_ranks(vol):
     assert sorted(f["path"] for f in man["files"]) == ["a/x", "a/z", "b/y", "d"]
 
 
+def _spoilt(cids: list[bytes], how: str = "") -> tuple[int, bytes, bytes]:
+    """(size, packed extents, packed new chunks) of a file made of `cids`, 10 bytes each,
+    spoilt as `how` says ("" leaves it good)."""
+    from metadata.checkpoints import CHK, EXT
+
+    ext = [(10 * i, 10, 0, cid) for i, cid in enumerate(cids)]
+    chk = [(cid, 10, 5, 1) for cid in cids]
+    size = 10 * len(cids)
+    last = len(cids) - 1
+    if how == "overlap":
+        ext[1] = (5, 10, 0, cids[1])
+    elif how == "backwards":
+        ext = ext[::-1]
+    elif how == "past_end":
+        size -= 5
+    elif how == "zero_len":
+        ext[last] = (10 * last, 0, 0, cids[last])
+    elif how == "bad_state":
+        chk[0] = (cids[0], 10, 5, 7)
+    elif how == "zero_chunk":
+        chk[1] = (cids[1], 0, 5, 1)
+    elif how == "zero_stored":
+        chk[1] = (cids[1], 10, 0, 1)
+    elif how == "huge_chunk":
+        chk[1] = (cids[1], 2**40, 5, 1)
+    elif how == "unknown":  # references a chunk nobody registered
+        chk[last] = (_cid(b"declared-not-used"), 10, 5, 1)
+    elif how == "known":  # references the first rank's chunk without declaring it: fine
+        ext[last] = (10 * last, 10, 0, _cid(b"v0-0"))
+    return size, b"".join(EXT.pack(*e) for e in ext), b"".join(CHK.pack(*c) for c in chk)
+
+
 def test_vectorized_batch_checks_refuse_exactly_the_bad_ranks(vol):
     """A big group commit checks extents and chunk records for all ranks at once; each bad
     rank gets the same error as alone, and the good ones commit."""
-    from metadata.checkpoints import BATCH_CHECK_MIN, CHK, EXT
+    from metadata.checkpoints import BATCH_CHECK_MIN
 
     m = vol.meta
     n = BATCH_CHECK_MIN + 8
     m.begin("v", 1, n)
 
     def rank(r: int, how: str = "") -> list[dict]:
-        cids = [_cid(b"v%d-%d" % (r, i)) for i in range(3)]
-        ext = [(0, 10, 0, cids[0]), (10, 10, 0, cids[1]), (20, 10, 0, cids[2])]
-        chk = [(cid, 10, 5, 1) for cid in cids]
-        size = 30
-        if how == "overlap":
-            ext[1] = (5, 10, 0, cids[1])
-        elif how == "past_end":
-            size = 25
-        elif how == "zero_len":
-            ext[2] = (20, 0, 0, cids[2])
-        elif how == "bad_state":
-            chk[0] = (cids[0], 10, 5, 7)
-        elif how == "zero_chunk":
-            chk[1] = (cids[1], 0, 5, 1)
-        elif how == "unknown":  # references a chunk nobody registered
-            chk[2] = (_cid(b"declared-not-used"), 10, 5, 1)
-        elif how == "known":  # references rank 0's chunk without declaring it: fine
-            ext[2] = (20, 10, 0, _cid(b"v0-0"))
-        return [{"path": f"r{r}", "size": size,
-                 "extents": b"".join(EXT.pack(*e) for e in ext),
-                 "new_chunks": b"".join(CHK.pack(*c) for c in chk)}]  # fmt: skip
+        size, ext, chk = _spoilt([_cid(b"v%d-%d" % (r, i)) for i in range(3)], how)
+        return [{"path": f"r{r}", "size": size, "extents": ext, "new_chunks": chk}]
 
     m.commit_rank("v", 1, 0, rank(0))
     m.apply_pending()
@@ -277,36 +290,18 @@ def test_column_checks_refuse_each_bad_rank_alone(vol):
     """The column path (typed files) must not let any bad rank through: a batch with one
     bad rank of each kind gives that rank the error it gets alone and commits the rest;
     a batch with a rank of no files stays on the column path."""
-    from metadata.checkpoints import BATCH_CHECK_MIN, CHK, EXT, WireFile, _prepare_columns
+    from metadata.checkpoints import BATCH_CHECK_MIN, WireFile, _prepare_columns
 
     m = vol.meta
     n = BATCH_CHECK_MIN + 4
 
     def rank(step: int, r: int, how: str = "") -> list:
-        cids = [_cid(b"t%d-%d-%d" % (step, r, i)) for i in range(2)]
-        ext = [(0, 10, 0, cids[0]), (10, 10, 0, cids[1])]
-        chk = [(cid, 10, 5, 1) for cid in cids]
-        size = 20
-        if how == "overlap":
-            ext[1] = (5, 10, 0, cids[1])
-        elif how == "backwards":
-            ext = ext[::-1]
-        elif how == "past_end":
-            size = 15
-        elif how == "zero_len":
-            ext[1] = (10, 0, 0, cids[1])
-        elif how == "bad_state":
-            chk[0] = (cids[0], 10, 5, 7)
-        elif how == "zero_chunk":
-            chk[1] = (cids[1], 10, 0, 1)
-        elif how == "huge_chunk":
-            chk[1] = (cids[1], 2**40, 5, 1)
-        elif how == "empty":
+        if how == "empty":
             return []
-        return [WireFile(f"d{r}/f", size, b"".join(EXT.pack(*e) for e in ext),
-                         b"".join(CHK.pack(*c) for c in chk))]  # fmt: skip
+        size, ext, chk = _spoilt([_cid(b"t%d-%d-%d" % (step, r, i)) for i in range(2)], how)
+        return [WireFile(f"d{r}/f", size, ext, chk)]
 
-    kinds = ["overlap", "backwards", "past_end", "zero_len", "bad_state", "zero_chunk",
+    kinds = ["overlap", "backwards", "past_end", "zero_len", "bad_state", "zero_stored",
              "huge_chunk"]  # fmt: skip
     for step, how in enumerate(kinds, start=1):
         m.begin("t", step, n)
