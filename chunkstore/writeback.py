@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import xxhash
 
 from chunkstore import codec
-from chunkstore.cache import ChunkCache, read_object
+from chunkstore.cache import ChunkCache, read_object, read_object_into
 from chunkstore.fileio import fsync_dir, write_new
 from chunkstore.ids import chunk_id
 from chunkstore.node import NodeError
@@ -665,6 +665,21 @@ class WriteBehindTier:
             self.cache.hits += 1
             return raw
         return self.cache.single_flight(cid, lambda: self._fetch(cid))
+
+    def read_into(self, cid: bytes, views: list[memoryview]) -> bool:
+        """The local copy of a raw chunk (staged, else cached) read straight into `views`
+        (cache.read_object_into); False when there is none usable: then `get`."""
+        if read_object_into(os.path.join(self.staged_dir, cid.hex()), views, cid, self.store.seed):
+            return True
+        path = self.cache.path(cid)
+        if not read_object_into(path, views, cid, self.store.seed):
+            return False
+        self.cache.hits += 1
+        try:
+            os.utime(path)  # LRU touch, as a cache lookup does
+        except OSError:
+            pass
+        return True
 
     def _read_staged(self, cid: bytes, view: bool = False) -> bytes | None:
         try:

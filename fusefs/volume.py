@@ -446,6 +446,11 @@ class Volume:
         else:
             self.store.sync()
 
+    def read_chunk_into(self, cid: bytes, views: list[memoryview]) -> bool:
+        """A chunk's raw bytes read into `views` from this host's tier, if it holds the chunk
+        uncompressed; False otherwise (then fetch_chunk), with the views maybe overwritten."""
+        return self.tier is not None and self.tier.read_into(cid, views)
+
     def fetch_chunk(self, cid: bytes, *, view: bool = False) -> bytes | memoryview:
         """Verified raw bytes of a chunk, through the host tier when there is one.
 

@@ -103,6 +103,33 @@ def test_journal_torn_tail_and_corrupt_record_are_ignored():
     assert st2.torn and c not in st2.pending
 
 
+def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path):
+    """The direct read used by DCP loads: the payload lands in the caller's views and is
+    checked against the id; compressed, torn, foreign or missing objects are refused (False),
+    so the caller takes the decoding read instead."""
+    from chunkstore.cache import read_object_into
+    from chunkstore.ids import chunk_id
+
+    raw = os.urandom(300_000)
+    cid = chunk_id(raw, 7)
+    path = str(tmp_path / "obj")
+    with open(path, "wb") as f:
+        f.write(codec.encode(raw, "none"))
+    a, b = bytearray(1000), bytearray(len(raw) - 1000)
+    assert read_object_into(path, [memoryview(a), memoryview(b)], cid, 7)
+    assert bytes(a + b) == raw
+    buf = bytearray(len(raw))
+    assert not read_object_into(path, [memoryview(buf)], chunk_id(raw, 8), 7)  # other id
+    assert not read_object_into(path, [memoryview(bytearray(10))], cid, 7)  # other length
+    assert not read_object_into(str(tmp_path / "none"), [memoryview(buf)], cid, 7)
+    with open(path, "wb") as f:
+        f.write(codec.encode(raw, "none")[:-1])  # torn
+    assert not read_object_into(path, [memoryview(buf)], cid, 7)
+    with open(path, "wb") as f:
+        f.write(codec.encode(bytes(len(raw)), "zstd"))  # compressed
+    assert not read_object_into(path, [memoryview(buf)], chunk_id(bytes(len(raw)), 7), 7)
+
+
 def test_group_sync_shares_fsyncs():
     calls = []
 
