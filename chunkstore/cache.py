@@ -78,32 +78,39 @@ def read_object_into(path: str, views: list[memoryview], cid: bytes, seed: int) 
     may be partly overwritten before a False."""
     try:
         fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    except OSError:
         return False
     try:
-        head = os.pread(fd, codec.HEADER, 0)
-        try:
-            version, name, raw_len = codec.header_info(head)
-        except codec.ChunkFormatError:
-            return False
-        total = sum(v.nbytes for v in views)
-        if name != "none" or version != codec.VERSION or raw_len != total:
-            return False
-        if os.fstat(fd).st_size != codec.HEADER + raw_len:
-            return False
-        pos, todo = codec.HEADER, list(views)
-        while todo:
-            got = os.preadv(fd, todo, pos)
-            if got <= 0:
-                return False
-            pos += got
-            while todo and got >= todo[0].nbytes:
-                got -= todo[0].nbytes
-                todo.pop(0)
-            if todo and got:
-                todo[0] = todo[0][got:]
+        return _read_into(fd, views, cid, seed)
+    except OSError as e:  # the decoding read meets the same error and reports it
+        log.debug("direct read of %s failed: %s", path, e)
+        return False
     finally:
         os.close(fd)
+
+
+def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int) -> bool:
+    head = os.pread(fd, codec.HEADER, 0)
+    try:
+        version, name, raw_len = codec.header_info(head)
+    except codec.ChunkFormatError:
+        return False
+    total = sum(v.nbytes for v in views)
+    if name != "none" or version != codec.VERSION or raw_len != total:
+        return False
+    if os.fstat(fd).st_size != codec.HEADER + raw_len:
+        return False
+    pos, todo = codec.HEADER, list(views)
+    while todo:
+        got = os.preadv(fd, todo, pos)
+        if got <= 0:
+            return False
+        pos += got
+        while todo and got >= todo[0].nbytes:
+            got -= todo[0].nbytes
+            todo.pop(0)
+        if todo and got:
+            todo[0] = todo[0][got:]
     return pieces_id(views, seed) == cid
 
 
