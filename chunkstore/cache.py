@@ -69,9 +69,9 @@ def read_object(path: str, fast: bool = False) -> bytes | memoryview:
 
 def read_object_into(path: str, views: list[memoryview], cid: bytes, seed: int) -> bool:
     """Read a raw object's payload straight into `views` (whose lengths sum to it) and check
-    it against `cid`. False, with nothing reported, when the object is missing, compressed,
-    of another length or wrong: the caller then takes the decoding read, which reports and
-    replaces a bad copy.
+    it against `cid`. False when the object is missing, compressed, of another length or
+    unreadable; ChunkFormatError when its content does not match the id. Either way the
+    caller takes the decoding read next, which replaces a bad copy.
 
     Why: a DCP load into preallocated tensors then costs one copy per byte, made by the
     kernel, with no mapping to fault in and tear down and no buffer in between. The views
@@ -111,7 +111,9 @@ def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int) -> bool:
             todo.pop(0)
         if todo and got:
             todo[0] = todo[0][got:]
-    return pieces_id(views, seed) == cid
+    if pieces_id(views, seed) != cid:
+        raise codec.ChunkFormatError("content does not match its chunk id")
+    return True
 
 
 class ChunkCache:

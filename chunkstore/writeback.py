@@ -669,11 +669,19 @@ class WriteBehindTier:
     def read_into(self, cid: bytes, views: list[memoryview]) -> bool:
         """The local copy of a raw chunk (staged, else cached) read straight into `views`
         (cache.read_object_into); False when there is none usable: then `get`."""
-        if read_object_into(os.path.join(self.staged_dir, cid.hex()), views, cid, self.store.seed):
-            return True
+        try:
+            if read_object_into(
+                os.path.join(self.staged_dir, cid.hex()), views, cid, self.store.seed
+            ):
+                return True
+        except codec.ChunkFormatError as e:  # as _read_staged reports it
+            log.error("staged chunk %s is corrupt: %s", cid.hex(), e)
         path = self.cache.path(cid)
-        if not read_object_into(path, views, cid, self.store.seed):
-            return False
+        try:
+            if not read_object_into(path, views, cid, self.store.seed):
+                return False
+        except codec.ChunkFormatError:
+            return False  # the decoding read drops it, with a warning, and fetches it again
         self.cache.hits += 1
         try:
             os.utime(path)  # LRU touch, as a cache lookup does

@@ -43,6 +43,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import Future as CFuture
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -945,23 +946,17 @@ class CkptfsReader(StorageReader):
                 md: _StorageInfo = self.storage_data[r.storage_index]
                 if md.offset + md.length > size:
                     raise CkptfsError(f"{self.path}/{rel}: item {r.storage_index} past end of file")
-            targets: dict[int, torch.Tensor] = {}
             if vol.tier is not None:
-                reqs = self._read_direct(vol, extents, reqs, planner, targets)
+                reqs = self._read_direct(vol, extents, reqs, planner)
             infos = [self.storage_data[r.storage_index] for r in reqs]
             ranges = [(md.offset, md.length) for md in infos]
             for req, data in zip(
                 reqs, _assemble(vol, extents, ranges, self.read_window), strict=True
             ):
-                self._load_item(req, data, planner, targets.get(id(req)))
+                self._load_item(req, data, planner)
 
     def _read_direct(
-        self,
-        vol: Volume,
-        extents: list[Extent],
-        reqs: list[ReadItem],
-        planner: LoadPlanner,
-        targets: dict[int, torch.Tensor],
+        self, vol: Volume, extents: list[Extent], reqs: list[ReadItem], planner: LoadPlanner
     ) -> list[ReadItem]:
         """Load the tensor items that can go straight into their targets; return the others.
 
@@ -971,44 +966,48 @@ class CkptfsReader(StorageReader):
         (`_Envelope`): then the stored tensor *is* those bytes, read by the kernel into
         the target (`Volume.read_chunk_into`, id checked), with no torch.load, no mapping
         and no second copy. Anything else, including a failed read, takes `_assemble`.
-        Resolved targets are kept in `targets` for the fallback (resolved once)."""
+
+        The targets are resolved up front and filled concurrently, so an item whose target
+        shares memory with another item's (tied weights; a planner that hands out one
+        scratch buffer and copies it out in commit_tensor) takes the ordinary path too:
+        one item at a time, in offset order, resolved again right before its copy, as
+        FileSystemReader does."""
         starts = [e.offset for e in extents]
-        jobs: list[tuple[ReadItem, torch.Tensor, _Envelope, bytearray, bytearray, CFuture]] = []
+        plans: list[tuple[ReadItem, torch.Tensor, _Envelope | None, list | None]] = []
         for req in reqs:
             md: _StorageInfo = self.storage_data[req.storage_index]
             if req.type != LoadItemType.TENSOR or md.transform_descriptors:
                 continue
             target = planner.resolve_tensor(req).detach()
-            targets[id(req)] = target
             env = _direct_envelope(req, target)
-            if env is None or md.length != len(env.head) + target.nbytes + len(env.tail):
-                continue
-            pieces = _whole_chunks(extents, starts, md.offset, md.length)
-            if pieces is None:
-                continue
-            head, tail = bytearray(len(env.head)), bytearray(len(env.tail))
-            layout = [memoryview(head), _tensor_bytes(target), memoryview(tail)]
-            reads = [(cid, _slices(layout, lo, n)) for cid, lo, n in pieces]
-            fut = vol.pool.submit(_read_chunks, vol, reads)
-            jobs.append((req, target, env, head, tail, fut))
+            pieces = None
+            if env is not None and md.length == len(env.head) + target.nbytes + len(env.tail):
+                pieces = _whole_chunks(extents, starts, md.offset, md.length)
+            plans.append((req, target, env, pieces))
+        shared = _overlapping([_span(t) for _, t, _, _ in plans])
+        jobs: list[tuple[ReadItem, torch.Tensor, _Envelope, bytearray, bytearray, CFuture]] = []
         done: set[int] = set()
         try:
+            for i, (req, target, env, pieces) in enumerate(plans):
+                if env is None or pieces is None or i in shared:
+                    continue
+                head, tail = bytearray(len(env.head)), bytearray(len(env.tail))
+                layout = [memoryview(head), _tensor_bytes(target), memoryview(tail)]
+                reads = [(cid, _slices(layout, lo, n)) for cid, lo, n in pieces]
+                fut = vol.pool.submit(_read_chunks, vol, reads)
+                jobs.append((req, target, env, head, tail, fut))
             for req, target, env, head, tail, fut in jobs:
                 if fut.result() and head == env.head and tail == env.tail:
                     planner.commit_tensor(req, target)
                     done.add(id(req))
-        finally:
-            for *_, fut in jobs:
+        finally:  # on an error, no read may still be writing into a target after we return
+            futs = [job[-1] for job in jobs]
+            for fut in futs:
                 fut.cancel()
+            futures_wait(futs)
         return [r for r in reqs if id(r) not in done]
 
-    def _load_item(
-        self,
-        req: ReadItem,
-        data: bytes | memoryview,
-        planner: LoadPlanner,
-        target: torch.Tensor | None = None,
-    ) -> None:
+    def _load_item(self, req: ReadItem, data: bytes | memoryview, planner: LoadPlanner) -> None:
         md: _StorageInfo = self.storage_data[req.storage_index]
         if md.transform_descriptors:
             stream = self.transforms.transform_load_stream(
@@ -1029,8 +1028,7 @@ class CkptfsReader(StorageReader):
                 stream = io.BytesIO(stream.read(-1))
             tensor = torch.load(stream, map_location="cpu", weights_only=True)
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-        if target is None:
-            target = planner.resolve_tensor(req).detach()
+        target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise CkptfsError(
                 f"item {req.storage_index}: stored size {tuple(tensor.size())} "
@@ -1066,12 +1064,38 @@ def _direct_envelope(req: ReadItem, target: torch.Tensor) -> _Envelope | None:
     key = (target.dtype, shape, tuple(reversed(stride)))
     env = _ENVELOPES.get(key)
     if env is None and len(_ENVELOPES) < _ENVELOPES_MAX:
-        form = torch.empty(shape, dtype=target.dtype)  # its pages are never touched
+        try:  # its pages are never touched, but the address space is reserved
+            form = torch.empty(shape, dtype=target.dtype)
+        except (RuntimeError, MemoryError):
+            return None
         if _envelope_key(form) != key:
             return None
         _save_tensor(form, _NullSink())  # captures the envelope; the sink keeps nothing
         env = _ENVELOPES.get(key)
     return env
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The memory [lo, hi) a tensor's elements lie in (empty for no elements)."""
+    if not t.numel():
+        return (0, 0)
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+def _overlapping(spans: list[tuple[int, int]]) -> set[int]:
+    """Indexes of the spans that overlap another one (a sweep in address order)."""
+    out: set[int] = set()
+    top, top_i = -1, -1
+    for i in sorted(range(len(spans)), key=lambda k: spans[k][0]):
+        lo, hi = spans[i]
+        if hi <= lo:
+            continue
+        if lo < top:
+            out.update((i, top_i))
+        if hi > top:
+            top, top_i = hi, i
+    return out
 
 
 class _NullSink:

@@ -404,10 +404,13 @@ def test_tensors_load_straight_into_their_targets(volume, tmp_path, monkeypatch)
     d_off = next(md.offset for idx, md in _storage(vol, staging).items() if idx.fqn == "d")
     d_chunk = next(e.chunk_id for e in d_id if e.offset <= d_off < e.offset + e.length)
     victim = next(p for p in cached if os.path.basename(p) == d_chunk.hex())
-    with open(victim, "r+b") as f:  # flip a payload byte of the cached copy of "d"
+    env = d._ENVELOPES[(torch.float32, (64, 32), (32, 1))]  # captured by the save
+    with open(victim, "r+b") as f:  # flip a byte of the tensor data in the cached copy of "d"
         good = f.read()
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([good[-1] ^ 0xFF]))
+        at = codec.HEADER + len(env.head) + 1000
+        assert at < len(good) - len(env.tail)
+        f.seek(at)
+        f.write(bytes([good[at] ^ 0xFF]))
     out = load(odd)
     assert torch.equal(out["a"], sd["a"]) and torch.equal(out["d"], sd["d"])
     assert torch.equal(out["b"], sd["b"].to(torch.float16))
@@ -419,6 +422,48 @@ def test_tensors_load_straight_into_their_targets(volume, tmp_path, monkeypatch)
     out = load({k: torch.zeros_like(v) for k, v in sd.items() if k != "meta"} | {"meta": {"k": ""}})
     assert all(torch.equal(out[k], sd[k]) for k in "abcde")
     assert not {"a", "b", "c", "e"} & set(slow)
+    close_volumes()
+
+
+def test_targets_sharing_memory_load_one_at_a_time(volume, tmp_path, monkeypatch):
+    """Direct reads fill their targets concurrently, so items whose targets share memory go
+    the ordinary way, one after the other: tied weights get one stored tensor whole (not a
+    mix of two), and a planner that hands out one scratch buffer per shape and copies it
+    out in commit_tensor gets every tensor right."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    vol, staging = volume.base_dir, str(tmp_path / "staging")
+    sd = {f"p{i}": torch.full((256, 64), float(i)) for i in range(4)}
+    dcp.save(sd, storage_writer=CkptfsWriter(vol, "tied/step-1", staging=staging), no_dist=True)
+    slow: list[str] = []
+    real = CkptfsReader._load_item
+
+    def spy(self, req, *args, **kwargs):
+        slow.append(req.storage_index.fqn)
+        return real(self, req, *args, **kwargs)
+
+    monkeypatch.setattr(CkptfsReader, "_load_item", spy)
+    tied = torch.zeros(256, 64)
+    out = {"p0": tied, "p1": tied, "p2": torch.zeros(256, 64), "p3": torch.zeros(256, 64)}
+    dcp.load(out, storage_reader=CkptfsReader(vol, "tied/step-1", staging=staging), no_dist=True)
+    assert sorted(slow) == ["p0", "p1"]
+    assert torch.equal(tied, sd["p0"]) or torch.equal(tied, sd["p1"])
+    assert torch.equal(out["p2"], sd["p2"]) and torch.equal(out["p3"], sd["p3"])
+
+    class Scratch(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item):
+            real = super().resolve_tensor(read_item)
+            key = (tuple(real.shape), real.dtype)
+            return self.__dict__.setdefault("bufs", {}).setdefault(key, torch.empty_like(real))
+
+        def commit_tensor(self, read_item, tensor):
+            super().resolve_tensor(read_item).copy_(tensor)
+
+    slow.clear()
+    out = {k: torch.zeros(256, 64) for k in sd}
+    rd = CkptfsReader(vol, "tied/step-1", staging=staging)
+    dcp.load(out, storage_reader=rd, planner=Scratch(), no_dist=True)
+    assert all(torch.equal(out[k], sd[k]) for k in sd) and sorted(slow) == sorted(sd)
     close_volumes()
 
 

@@ -106,7 +106,8 @@ def test_journal_torn_tail_and_corrupt_record_are_ignored():
 def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path):
     """The direct read used by DCP loads: the payload lands in the caller's views and is
     checked against the id; compressed, torn, foreign or missing objects are refused (False),
-    so the caller takes the decoding read instead."""
+    so the caller takes the decoding read instead; content that does not match its id is a
+    format error."""
     from chunkstore.cache import read_object_into
     from chunkstore.ids import chunk_id
 
@@ -119,7 +120,8 @@ def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path):
     assert read_object_into(path, [memoryview(a), memoryview(b)], cid, 7)
     assert bytes(a + b) == raw
     buf = bytearray(len(raw))
-    assert not read_object_into(path, [memoryview(buf)], chunk_id(raw, 8), 7)  # other id
+    with pytest.raises(codec.ChunkFormatError, match="chunk id"):  # another id
+        read_object_into(path, [memoryview(buf)], chunk_id(raw, 8), 7)
     assert not read_object_into(path, [memoryview(bytearray(10))], cid, 7)  # other length
     assert not read_object_into(str(tmp_path / "none"), [memoryview(buf)], cid, 7)
     with open(path, "wb") as f:
