@@ -351,7 +351,21 @@ def test_save_and_load_through_the_write_behind_tier(volume, tmp_path):
     close_volumes()
 
 
-def test_tensors_load_straight_into_their_targets(volume, tmp_path, monkeypatch):
+@pytest.fixture
+def slow_items(monkeypatch) -> list[str]:
+    """The names of the items a CkptfsReader loads the ordinary way (not direct)."""
+    slow: list[str] = []
+    real = CkptfsReader._load_item
+
+    def spy(self, req, *args, **kwargs):
+        slow.append(req.storage_index.fqn)
+        return real(self, req, *args, **kwargs)
+
+    monkeypatch.setattr(CkptfsReader, "_load_item", spy)
+    return slow
+
+
+def test_tensors_load_straight_into_their_targets(volume, tmp_path, slow_items):
     """The load's direct path: a tensor stored as whole raw chunks on this host, whose bytes
     around the tensor are torch.save's envelope for the target's dtype and shape, is read by
     the kernel into the target (no torch.load). Anything else takes the ordinary path and
@@ -372,14 +386,7 @@ def test_tensors_load_straight_into_their_targets(volume, tmp_path, monkeypatch)
         "meta": {"k": "v"},
     }
     dcp.save(sd, storage_writer=CkptfsWriter(vol, "direct/step-1", staging=staging), no_dist=True)
-    slow: list[str] = []
-    real = CkptfsReader._load_item
-
-    def spy(self, req, *args, **kwargs):
-        slow.append(req.storage_index.fqn)
-        return real(self, req, *args, **kwargs)
-
-    monkeypatch.setattr(CkptfsReader, "_load_item", spy)
+    slow = slow_items
 
     def load(out: dict) -> dict:
         slow.clear()
@@ -425,7 +432,7 @@ def test_tensors_load_straight_into_their_targets(volume, tmp_path, monkeypatch)
     close_volumes()
 
 
-def test_targets_sharing_memory_load_one_at_a_time(volume, tmp_path, monkeypatch):
+def test_targets_sharing_memory_load_one_at_a_time(volume, tmp_path, slow_items):
     """Direct reads fill their targets concurrently, so items whose targets share memory go
     the ordinary way, one after the other: tied weights get one stored tensor whole (not a
     mix of two), and a planner that hands out one scratch buffer per shape and copies it
@@ -435,14 +442,7 @@ def test_targets_sharing_memory_load_one_at_a_time(volume, tmp_path, monkeypatch
     vol, staging = volume.base_dir, str(tmp_path / "staging")
     sd = {f"p{i}": torch.full((256, 64), float(i)) for i in range(4)}
     dcp.save(sd, storage_writer=CkptfsWriter(vol, "tied/step-1", staging=staging), no_dist=True)
-    slow: list[str] = []
-    real = CkptfsReader._load_item
-
-    def spy(self, req, *args, **kwargs):
-        slow.append(req.storage_index.fqn)
-        return real(self, req, *args, **kwargs)
-
-    monkeypatch.setattr(CkptfsReader, "_load_item", spy)
+    slow = slow_items
     tied = torch.zeros(256, 64)
     out = {"p0": tied, "p1": tied, "p2": torch.zeros(256, 64), "p3": torch.zeros(256, 64)}
     dcp.load(out, storage_reader=CkptfsReader(vol, "tied/step-1", staging=staging), no_dist=True)
