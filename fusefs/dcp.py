@@ -29,6 +29,7 @@ exact bytes at ~1.3x the serialization cost. What differs is where bytes go:
 from __future__ import annotations
 
 import atexit
+import bisect
 import dataclasses
 import errno
 import functools
@@ -1108,8 +1109,6 @@ def _whole_chunks(
 ) -> list[tuple[bytes, int, int]] | None:
     """(chunk id, offset in the item, length) of the whole chunks that tile [off, off+n)
     exactly, or None (holes, shared or partial chunks)."""
-    import bisect
-
     i = bisect.bisect_left(starts, off)
     out = []
     pos = off
@@ -1198,8 +1197,6 @@ def _assemble(
     Volume.fetch_chunk (the host read cache with single-flight when a tier is
     attached), at most `window` raw bytes ahead of the range being assembled.
     """
-    import bisect
-
     starts = [e.offset for e in extents]
     pieces: list[list[tuple[Extent, int, int]]] = []  # per range: (extent, lo, hi) file offsets
     for off, n in ranges:
