@@ -42,6 +42,7 @@ from metadata.engine import (
     Extent,
     MetaError,
     NewChunk,
+    chunk_lengths_ok,
     internal_error,
 )
 
@@ -229,9 +230,7 @@ def _norm_files(files: Any) -> tuple[list[tuple[bytes, list[bytes], int, bytes, 
         if end > size:
             raise MetaError(errno.EINVAL, f"{path!r}: extents end at {end}, past size {size}")
         for _cid, raw_len, stored_len, st in CHK.iter_unpack(chk_blob):
-            if not (0 < raw_len < MAX_CHUNK_BYTES and 0 < stored_len < MAX_CHUNK_BYTES) or (
-                st > DURABLE
-            ):
+            if not chunk_lengths_ok(raw_len, stored_len) or st > DURABLE:
                 raise MetaError(errno.EINVAL, f"{path!r}: bad new chunk record")
             new_bytes += raw_len
         out.append((path, parts, size, blob, chk_blob))

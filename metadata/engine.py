@@ -162,11 +162,15 @@ def check_name(name: bytes) -> bytes:
 MAX_CHUNK_BYTES = 1 << 40  # raw or stored length of one chunk: far past any chunker's
 
 
+def chunk_lengths_ok(raw_len: int, stored_len: int) -> bool:
+    """Lengths a new chunk record can have (else EINVAL, not an overflow deep in the
+    database driver)."""
+    return 0 < raw_len < MAX_CHUNK_BYTES and 0 < stored_len < MAX_CHUNK_BYTES
+
+
 def check_new_chunks(chunks: list[NewChunk]) -> None:
-    """New chunk records must have lengths a chunk can have (EINVAL, not an overflow
-    deep in the database driver)."""
     for ch in chunks:
-        if not (0 < ch.raw_len < MAX_CHUNK_BYTES and 0 < ch.stored_len < MAX_CHUNK_BYTES):
+        if not chunk_lengths_ok(ch.raw_len, ch.stored_len):
             raise MetaError(errno.EINVAL, f"bad length in new chunk {ch.chunk_id.hex()}")
 
 
