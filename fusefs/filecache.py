@@ -51,7 +51,7 @@ import trio
 from chunkstore import codec
 from chunkstore.ids import pieces_id
 from fusefs.volume import Volume
-from metadata.engine import Attr, Extent, MetaError, NewChunk
+from metadata.engine import Attr, Extent, MetaError, NewChunk, UnknownChunks
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -751,18 +751,22 @@ class FileCache:
         self, ino: int, data: bytes, length: int, size: int, mtime_ns: int
     ) -> tuple[tuple[bytes, Attr] | None, bytes | None]:
         """A new small file whose content is already stored (the same config or metadata
-        file saved again at every step): the "is it known?" query and the commit run right
-        here, on the mount's inline connection, as its namespace calls do, saving the close
-        a worker round trip. Returns ((chunk id, attributes), None) when committed; (None,
-        chunk id) when the content is new (the worker stores it without asking again);
-        (None, None) for anything else (a busy database, a refusal): the worker path."""
+        file saved again at every step): committed right here, on the mount's inline
+        connection, as its namespace calls are, saving the close a worker round trip.
+        One transaction: commit_file refuses extents naming an unregistered chunk
+        (UnknownChunks), so asking "is it known?" first would only add a second one, and
+        a chunk it finds cannot be collected in between (gc deletes rows of unreferenced
+        chunks in a transaction of its own). Returns ((chunk id, attributes), None) when
+        committed; (None, chunk id) when the content is new (the worker stores it without
+        asking again); (None, None) for anything else (a busy database, a refusal): the
+        worker path."""
         cid = self._chunk_id(data)
         try:
-            if self.local.missing_chunks([cid]):
-                return None, cid
             attr = self.local.commit_file(
                 ino, [Extent(0, length, cid, 0)], size, [], mtime_ns=mtime_ns
             )
+        except UnknownChunks:
+            return None, cid
         except (sqlite3.Error, MetaError) as e:
             log.debug("inline commit of inode %d: %s; via a worker", ino, e)
             return None, None

@@ -248,19 +248,12 @@ class CkptFS(pyfuse3.Operations):
         e.st_ctime_ns = a.ctime_ns
         return e
 
-    def _owner(self, parent: Attr, ctx: pyfuse3.RequestContext, mode: int) -> tuple[int, int, int]:
-        """uid, gid and mode of a new inode (BSD group semantics under a setgid dir)."""
-        gid = ctx.gid
-        if parent.mode & stat.S_ISGID:
-            gid = parent.gid
-            if stat.S_ISDIR(mode):
-                mode |= stat.S_ISGID
-        return ctx.uid, gid, mode
-
     async def _make(self, parent_inode: int, name: bytes, mode: int, ctx, **kw) -> Attr:
-        """Create an inode owned as `_owner` says."""
-        uid, gid, m = self._owner(await self._getattr(parent_inode), ctx, mode)
-        return await self._local_call("create", parent_inode, name, m, uid, gid, **kw)
+        """Create an inode owned by the caller, with BSD group semantics under a setgid
+        directory (the engine applies them in the creating transaction)."""
+        return await self._local_call(
+            "create", parent_inode, name, mode, ctx.uid, ctx.gid, setgid_inherit=True, **kw
+        )
 
     # -- namespace -------------------------------------------------------------
     @handler

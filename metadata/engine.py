@@ -40,6 +40,10 @@ class MetaError(Exception):
         return (type(self), (self.errno, str(self)))
 
 
+class UnknownChunks(MetaError):
+    """Extents name chunks that no one registered: the caller must store them first."""
+
+
 def internal_error(what: str, e: BaseException) -> MetaError:
     """An unexpected failure (a bug, a broken database) as the EIO a client is answered."""
     return MetaError(errno.EIO, f"{what} failed: {type(e).__name__}: {e}")
@@ -216,12 +220,17 @@ class MetaEngine(ABC):
         *,
         target: bytes = b"",
         rdev: int = 0,
+        setgid_inherit: bool = False,
     ) -> Attr:
         """Make a regular file, directory, symlink, FIFO, socket or device node (by the
         type bits of mode).
 
         EEXIST if the name exists. `target` is the symlink's target, `rdev` a device
         node's device number. Who may make a device node is the caller's check.
+        setgid_inherit: in a setgid directory the new inode takes the directory's group,
+        and a new directory its setgid bit (BSD group semantics, as Linux has them); the
+        engine reads the directory in the creating transaction anyway, so a mount need
+        not ask for it first.
         """
 
     @abstractmethod

@@ -37,6 +37,7 @@ from metadata.engine import (
     MetaEngine,
     MetaError,
     NewChunk,
+    UnknownChunks,
     VolumeStats,
     check_extents,
     check_name,
@@ -445,6 +446,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         *,
         target: bytes = b"",
         rdev: int = 0,
+        setgid_inherit: bool = False,
     ) -> Attr:
         check_name(name)
         kind = stat.S_IFMT(mode)
@@ -459,9 +461,13 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         if len(target) > 4096:
             raise MetaError(errno.ENAMETOOLONG, "symlink target longer than 4096 bytes")
         with self._tx() as c:
-            self._dir(c, parent)
+            d = self._dir(c, parent)
             if self._one(c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", (parent, name)):
                 raise MetaError(errno.EEXIST, f"{name!r} exists")
+            if setgid_inherit and d.mode & stat.S_ISGID:
+                gid = d.gid
+                if kind == stat.S_IFDIR:
+                    mode |= stat.S_ISGID
             now = _now()
             nlink = 2 if kind == stat.S_IFDIR else 1
             size = len(target) if kind == stat.S_IFLNK else 0
@@ -866,7 +872,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             self._settle(c)
             missing = self._missing(c, list(missing))
         if missing:
-            raise MetaError(
+            raise UnknownChunks(
                 errno.EIO,
                 f"extents reference {len(missing)} unknown chunk(s), "
                 f"e.g. {next(iter(missing)).hex()}",

@@ -115,6 +115,39 @@ def test_chmod_chown_rules(public_dir, new_volume, mount_factory):
     assert os.stat(roots).st_mtime_ns == 2_000_000_000
 
 
+@needs_root
+def test_setgid_directory_hands_down_its_group(public_dir, new_volume, mount_factory):
+    m = mount_factory(new_volume(), os.path.join(public_dir, "mnt"), "--allow-other")
+    os.chmod(m.mp, 0o777)
+    shared, plain = m.path("shared"), m.path("plain")
+    for d in (shared, plain):
+        os.mkdir(d)
+        os.chown(d, 0, NOBODY.pw_gid)
+        os.chmod(d, 0o777)
+    os.chmod(shared, 0o2777)
+    for d in (shared, plain):
+        open(os.path.join(d, "f"), "wb").close()  # root, primary group 0
+        os.mkdir(os.path.join(d, "sub"))
+        os.symlink("f", os.path.join(d, "ln"))
+    for name in ("f", "sub", "ln"):
+        st = os.lstat(os.path.join(shared, name))
+        assert (st.st_uid, st.st_gid) == (0, NOBODY.pw_gid), name  # the directory's group
+        st = os.lstat(os.path.join(plain, name))
+        assert (st.st_uid, st.st_gid) == (0, 0), name  # the creator's group
+    assert os.stat(os.path.join(shared, "sub")).st_mode & 0o2000  # passed on to subdirectories
+    assert not os.stat(os.path.join(plain, "sub")).st_mode & 0o2000
+    assert not os.stat(os.path.join(shared, "f")).st_mode & 0o2000
+    os.chmod(os.path.join(shared, "sub"), 0o2777)
+    deeper = os.path.join(shared, "sub", "deeper")
+    assert _as_nobody("os.mkdir(sys.argv[1])", deeper).stdout == "OK\n"
+    st = os.stat(deeper)
+    assert (st.st_uid, st.st_gid, bool(st.st_mode & 0o2000)) == (NOBODY.pw_uid, NOBODY.pw_gid, True)
+    m.unmount()
+    m = mount_factory(m.volume, m.mp, "--allow-other")
+    st = os.stat(deeper)
+    assert (st.st_gid, bool(st.st_mode & 0o2000)) == (NOBODY.pw_gid, True)
+
+
 def test_kill9_leaves_disconnected_mount_that_umount_cleans(new_volume, mount_factory):
     vol = new_volume()
     m = mount_factory(vol, "mnt")
