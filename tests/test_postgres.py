@@ -44,6 +44,30 @@ def test_inode_numbers_are_never_reused(vol):
     assert m.list_xattr(b.ino) == [], "the replaced directory's xattrs stayed behind"
 
 
+def test_connections_reserve_inode_numbers_apart(vol, tmp_path):
+    """Each connection takes creates' numbers from a block it reserved; a block whose
+    reservation was rolled back is dropped, never handed out beside another's."""
+    others = [Volume.open(str(tmp_path / "vol")) for _ in range(2)]
+    try:
+        m1, m2, m3 = vol.meta, others[0].meta, others[1].meta
+        inos = [m1.create(ROOT_INO, b"a", stat.S_IFREG | 0o644, 0, 0).ino]
+        with pytest.raises(RuntimeError), m2._tx():
+            m2.create(ROOT_INO, b"gone", stat.S_IFREG | 0o644, 0, 0)
+            raise RuntimeError("roll the reservation back")
+        with pytest.raises(MetaError):
+            m2.lookup(ROOT_INO, b"gone")
+        inos.append(m3.create(ROOT_INO, b"c", stat.S_IFREG | 0o644, 0, 0).ino)
+        for i in range(3):
+            for k, m in enumerate((m1, m2, m3)):
+                inos.append(m.create(ROOT_INO, b"f%d%d" % (k, i), stat.S_IFDIR | 0o755, 0, 0).ino)
+        assert len(set(inos)) == len(inos), inos
+        names = {e.name for e in m1.readdir(ROOT_INO, 0)}
+        assert b"gone" not in names and len(names) == len(inos)
+    finally:
+        for v in others:
+            v.close()
+
+
 def test_namespace_data_and_refcounts(vol):
     m = vol.meta
     d = m.create(ROOT_INO, b"dir", stat.S_IFDIR | 0o755, 0, 0)
