@@ -58,6 +58,7 @@ WAL_CHECK_S = 0.5  # the mount checkpoints the metadata WAL this often while it 
 BLKSIZE = 1 << 20  # st_blksize: stdio, cp and dd pick their buffer size from it
 CONTROL_FLUSH = b"user.ckptfs.flush"  # setxattr on the root: drain the write-behind tier
 INFO_PREFIX = b"user.ckptfs."
+_PRIV_BITS = stat.S_ISUID | stat.S_ISGID
 INFO_NAMES = (b"chunks", b"stored_bytes", b"dedup", b"durability")
 
 
@@ -273,9 +274,10 @@ class CkptFS(pyfuse3.Operations):
         cur = await self._getattr(inode)
         kw: dict = {}
         if fields.update_mode:
-            if ctx.uid not in (0, cur.uid) and (attr.st_mode & 0o7777) != (
-                cur.mode & 0o7777 & ~(stat.S_ISUID | stat.S_ISGID)
-            ):
+            old, new = cur.mode & 0o7777, attr.st_mode & 0o7777
+            # A non-owner may only lose setuid/setgid: the kernel sends that for its write
+            # or truncate (keeping a setgid bit without group-execute).
+            if ctx.uid not in (0, cur.uid) and (new & ~old or (old ^ new) & ~_PRIV_BITS):
                 raise pyfuse3.FUSEError(errno.EPERM)
             kw["mode"] = attr.st_mode
         if fields.update_uid and attr.st_uid != cur.uid:
@@ -295,6 +297,12 @@ class CkptFS(pyfuse3.Operations):
             if not cur.is_reg:
                 raise pyfuse3.FUSEError(errno.EISDIR if cur.is_dir else errno.EINVAL)
             kw["size"] = attr.st_size
+            groups = self._opener(cur, ctx)
+            if groups is not None:  # a truncate is a write: what the kernel left is ours
+                mode = kw.get("mode", cur.mode)
+                kill = self._kill_bits(mode, kw.get("gid", cur.gid), groups)
+                if kill:
+                    kw["mode"] = mode & ~kill
         if st is not None and (fields.update_size or fields.update_mtime):
             await self.cache.commit(st)  # unflushed writes land first, then the change
         if fields.update_size:  # may drop chunk references: not on the loop
@@ -496,19 +504,19 @@ class CkptFS(pyfuse3.Operations):
         return frozenset([ctx.gid])
 
     @staticmethod
-    def _kill_bits(a: Attr, groups: frozenset[int]) -> int:
+    def _kill_bits(mode: int, gid: int, groups: frozenset[int]) -> int:
         """The bits a write by a process without CAP_FSETID clears: setuid, and setgid
         when group-executable or when the writer is not in the file's group (Linux's
         should_remove_suid and, since 6.2, setattr_should_drop_sgid). The kernel leaves
         this to the filesystem here: FUSE passes no such flag to pyfuse3's write, and its
         own clearing keeps a setgid bit without group-execute."""
-        kill = a.mode & stat.S_ISUID
-        if a.mode & stat.S_ISGID and (a.mode & stat.S_IXGRP or a.gid not in groups):
+        kill = mode & stat.S_ISUID
+        if mode & stat.S_ISGID and (mode & stat.S_IXGRP or gid not in groups):
             kill |= stat.S_ISGID
         return kill
 
     async def _kill_privs(self, st: FileState, groups: frozenset[int]) -> None:
-        kill = self._kill_bits(st.attr, groups)
+        kill = self._kill_bits(st.attr.mode, st.attr.gid, groups)
         if kill:
             st.attr = await self._local_call("setattr", st.ino, clear_mode=kill)
             await trio.to_thread.run_sync(_invalidate_attr, st.ino)
@@ -536,7 +544,7 @@ class CkptFS(pyfuse3.Operations):
             groups = self._opener(a, ctx)
             kill = 0
             if flags & os.O_TRUNC:  # marks mtime and ctime even if already empty (POSIX)
-                kill = self._kill_bits(a, groups) if groups is not None else 0  # a write
+                kill = self._kill_bits(a.mode, a.gid, groups) if groups is not None else 0
                 a = await self.meta(
                     lambda: self.vol.meta.setattr(inode, size=0, clear_mode=kill)
                 )  # fmt: skip

@@ -838,6 +838,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             cur = self._x(c, "DELETE FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
             if cur.rowcount == 0:
                 raise MetaError(errno.ENODATA, f"no attribute {name!r}")
+            self._x(c, "UPDATE inodes SET ctime = ? WHERE ino = ?", (_now(), ino))
 
     # -- data ----------------------------------------------------------------
     def get_extents(self, ino: int) -> list[Extent]:

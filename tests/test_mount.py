@@ -188,7 +188,11 @@ def test_xattrs(mounted):
     os.setxattr(p, "user.note", b"v1")
     assert os.getxattr(p, "user.note") == b"v1"
     assert "user.note" in os.listxattr(p)
+    before = os.stat(p).st_ctime_ns
+    time.sleep(0.01)
     os.removexattr(p, "user.note")
+    time.sleep(1.1)  # past the kernel's attribute timeout: the daemon's ctime
+    assert os.stat(p).st_ctime_ns > before  # removing an attribute changes ctime
     with pytest.raises(OSError) as e:
         os.getxattr(p, "user.note")
     assert e.value.errno == errno.ENODATA

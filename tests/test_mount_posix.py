@@ -315,12 +315,23 @@ def test_writes_by_others_clear_setuid_and_setgid(public_dir, new_volume, mount_
         ("os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_TRUNC))", 0o4777, 0o777),
         ("fd = os.open(sys.argv[1], os.O_WRONLY)\nos.pwrite(fd, b'n', 5)", 0o2767, 0o767),
         ("fd = os.open(sys.argv[1], os.O_RDWR)\nos.pwrite(fd, b'n', 5)", 0o2767, 0o767),
+        # setgid without group-execute: the kernel clears setuid only, the daemon the rest
+        ("fd = os.open(sys.argv[1], os.O_RDWR)\nos.write(fd, b'n')", 0o6666, 0o666),
+        ("os.truncate(sys.argv[1], 2)", 0o6666, 0o666),
+        ("os.truncate(sys.argv[1], 2)", 0o2666, 0o666),
+        ("os.ftruncate(os.open(sys.argv[1], os.O_RDWR), 3)", 0o6666, 0o666),
     ]
     for i, (code, before, after) in enumerate(cases):
         p = m.path(f"f{i}")
         _write_root(p, b"0123456789", before)
         assert _as_nobody(code, p).stdout.strip() == "OK", code
         assert os.stat(p).st_mode & 0o7777 == after, (code, oct(os.stat(p).st_mode))
+    p = m.path("in-group")  # a writer in the file's group keeps setgid without group-execute
+    _write_root(p, b"0123456789", 0o6666)
+    os.chown(p, 0, NOBODY.pw_gid)
+    os.chmod(p, 0o6666)
+    assert _as_nobody("os.truncate(sys.argv[1], 2)", p).stdout.strip() == "OK"
+    assert (os.stat(p).st_mode & 0o7777, os.stat(p).st_size) == (0o2666, 2)
     p = m.path("roots")
     _write_root(p, b"x", 0o6755)
     with open(p, "r+b") as f:
