@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from itertools import chain
 from typing import Any
 
@@ -495,30 +496,19 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             nlink = 2 if kind == stat.S_IFDIR else 1
             size = len(target) if kind == stat.S_IFLNK else 0
             ino = self._alloc_one_ino(c)
+            row = (ino, mode, nlink, uid, gid, size, now, now, now, rdev, 0,
+                   0 if kind == stat.S_IFREG else -1)  # fmt: skip
             self._x(
                 c,
                 "INSERT INTO inodes (ino, mode, nlink, uid, gid, size, atime, mtime, ctime, "
-                "rdev, generation, target, alloc) VALUES (?,?,?,?,?,?,?,?,?,?,0,?,?)",
-                (
-                    ino,
-                    mode,
-                    nlink,
-                    uid,
-                    gid,
-                    size,
-                    now,
-                    now,
-                    now,
-                    rdev,
-                    target,
-                    0 if kind == stat.S_IFREG else -1,
-                ),
+                "rdev, generation, alloc, target) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (*row, target),
             )
             self._x(
                 c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino)
             )
             self._touch_dir(c, parent, 1 if kind == stat.S_IFDIR else 0)
-            return self._getattr(c, ino)
+            return Attr(*row)  # what the row holds: no need to read it back
 
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
         check_name(new_name)
@@ -866,13 +856,16 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             delta.subtract(blob_chunk_ids(self._blob(c, ino)))
             self._adjust_refs(c, delta)
             mt = mtime_ns if mtime_ns is not None else now
+            alloc = sum(e.length for e in extents)
             self._x(
                 c,
                 "UPDATE inodes SET size = ?, mtime = ?, ctime = ?, generation = generation + 1, "
                 "extents = ?, alloc = ? WHERE ino = ?",
-                (size, mt, now, pack_extents(extents), sum(e.length for e in extents), ino),
+                (size, mt, now, pack_extents(extents), alloc, ino),
             )
-            return self._getattr(c, ino)
+            return replace(
+                a, size=size, mtime_ns=mt, ctime_ns=now, generation=a.generation + 1, alloc=alloc
+            )  # the row as updated (the write lock is held): no need to read it back
 
     def _register_chunks(self, c: Any, chunks: list[NewChunk], now: int) -> None:
         if not chunks:
