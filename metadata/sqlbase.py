@@ -16,7 +16,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from itertools import chain
 from typing import Any
 
@@ -48,6 +47,10 @@ from metadata.maintenance import MaintenanceMixin
 from metadata.retention import RetentionMixin
 
 _ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation, alloc"
+_LOOKUP_SQL = (
+    f"SELECT {', '.join('i.' + k.strip() for k in _ATTR_COLS.split(','))} "
+    "FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent = ? AND d.name = ?"
+)
 XATTR_MAX = 64 * 1024
 INO_HWM = "ino_hwm"  # config key: the highest inode number ever handed out
 INO_BLOCK = 256  # inode numbers a connection reserves at once for creates
@@ -232,12 +235,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         return _attr(row)
 
     def _lookup(self, c: Any, parent: int, name: bytes) -> Attr:
-        row = self._one(
-            c,
-            f"SELECT {', '.join('i.' + k.strip() for k in _ATTR_COLS.split(','))} "
-            "FROM dentries d JOIN inodes i ON i.ino = d.ino WHERE d.parent = ? AND d.name = ?",
-            (parent, name),
-        )
+        row = self._one(c, _LOOKUP_SQL, (parent, name))
         if row is None:
             raise MetaError(errno.ENOENT, f"{name!r} not found")
         return _attr(row)
@@ -486,7 +484,14 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             raise MetaError(errno.ENAMETOOLONG, "symlink target longer than 4096 bytes")
         with self._tx() as c:
             d = self._dir(c, parent)
-            if self._one(c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", (parent, name)):
+            ino = self._alloc_one_ino(c)
+            entry = self._x(
+                c,
+                "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?) "
+                "ON CONFLICT (parent, name) DO NOTHING",
+                (parent, name, ino),
+            )
+            if entry.rowcount != 1:  # the name is taken (one statement less than asking)
                 raise MetaError(errno.EEXIST, f"{name!r} exists")
             if setgid_inherit and d.mode & stat.S_ISGID:
                 gid = d.gid
@@ -495,7 +500,6 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             now = _now()
             nlink = 2 if kind == stat.S_IFDIR else 1
             size = len(target) if kind == stat.S_IFLNK else 0
-            ino = self._alloc_one_ino(c)
             row = (ino, mode, nlink, uid, gid, size, now, now, now, rdev, 0,
                    0 if kind == stat.S_IFREG else -1)  # fmt: skip
             self._x(
@@ -503,9 +507,6 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 "INSERT INTO inodes (ino, mode, nlink, uid, gid, size, atime, mtime, ctime, "
                 "rdev, generation, alloc, target) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (*row, target),
-            )
-            self._x(
-                c, "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)", (parent, name, ino)
             )
             self._touch_dir(c, parent, 1 if kind == stat.S_IFDIR else 0)
             return Attr(*row)  # what the row holds: no need to read it back
@@ -846,14 +847,17 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         check_extents(extents, size)
         check_new_chunks(new_chunks)
         with self._tx() as c:
-            a = self._getattr(c, ino)
+            row = self._one(c, f"SELECT {_ATTR_COLS}, extents FROM inodes WHERE ino = ?", (ino,))
+            if row is None:
+                raise MetaError(errno.ENOENT, f"no inode {ino}")
+            a = _attr(row[:-1])
             if not a.is_reg:
                 raise MetaError(errno.EISDIR if a.is_dir else errno.EINVAL, "not a regular file")
             now = _now()
             self._register_chunks(c, new_chunks, now)
             delta = Counter(e.chunk_id for e in extents)
             self._check_known(c, set(delta) - {ch.chunk_id for ch in new_chunks})
-            delta.subtract(blob_chunk_ids(self._blob(c, ino)))
+            delta.subtract(blob_chunk_ids(bytes(row[-1] or b"")))
             self._adjust_refs(c, delta)
             mt = mtime_ns if mtime_ns is not None else now
             alloc = sum(e.length for e in extents)
@@ -863,9 +867,9 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 "extents = ?, alloc = ? WHERE ino = ?",
                 (size, mt, now, pack_extents(extents), alloc, ino),
             )
-            return replace(
-                a, size=size, mtime_ns=mt, ctime_ns=now, generation=a.generation + 1, alloc=alloc
-            )  # the row as updated (the write lock is held): no need to read it back
+            # The row as updated (the write lock is held): no need to read it back.
+            return Attr(a.ino, a.mode, a.nlink, a.uid, a.gid, size, a.atime_ns, mt, now,
+                        a.rdev, a.generation + 1, alloc)  # fmt: skip
 
     def _register_chunks(self, c: Any, chunks: list[NewChunk], now: int) -> None:
         if not chunks:
