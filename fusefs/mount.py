@@ -58,8 +58,8 @@ WAL_CHECK_S = 0.5  # the mount checkpoints the metadata WAL this often while it 
 BLKSIZE = 1 << 20  # st_blksize: stdio, cp and dd pick their buffer size from it
 CONTROL_FLUSH = b"user.ckptfs.flush"  # setxattr on the root: drain the write-behind tier
 INFO_PREFIX = b"user.ckptfs."
-_PRIV_BITS = stat.S_ISUID | stat.S_ISGID
 INFO_NAMES = (b"chunks", b"stored_bytes", b"dedup", b"durability")
+_PRIV_BITS = stat.S_ISUID | stat.S_ISGID  # what a write by another user may clear
 
 
 def handler(fn: Callable) -> Callable:
