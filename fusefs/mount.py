@@ -297,10 +297,14 @@ class CkptFS(pyfuse3.Operations):
             if not cur.is_reg:
                 raise pyfuse3.FUSEError(errno.EISDIR if cur.is_dir else errno.EINVAL)
             kw["size"] = attr.st_size
+        if not cur.is_dir and (fields.update_size or fields.update_uid or fields.update_gid):
+            # A truncate or chown by a process without CAP_FSETID clears setuid/setgid as
+            # a write does. FUSE leaves to the filesystem the setgid bit without
+            # group-execute of a file whose group the caller is not in.
             groups = self._opener(cur, ctx)
-            if groups is not None:  # a truncate is a write: what the kernel left is ours
+            if groups is not None:
                 mode = kw.get("mode", cur.mode)
-                kill = self._kill_bits(mode, kw.get("gid", cur.gid), groups)
+                kill = self._kill_bits(mode, cur.gid, groups)
                 if kill:
                     kw["mode"] = mode & ~kill
         if st is not None and (fields.update_size or fields.update_mtime):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import pwd
 import signal
@@ -349,3 +350,123 @@ def _write_root(path: str, data: bytes, mode: int) -> None:
     with open(path, "wb") as f:
         f.write(data)
     os.chmod(path, mode)
+
+
+# -- the permission matrix, against the local disk -----------------------------------------
+OWNER, GROUP = 1000, 2000  # every matrix file's owner and group
+MATRIX_USERS = {  # name: (uid, gid, supplementary groups)
+    "root": (0, 0, [0]),
+    "owner": (OWNER, OWNER, [OWNER]),
+    "member": (1001, 1001, [1001, GROUP]),
+    "other": (1002, 1002, [1002]),
+}
+MATRIX_MODES = (0o000, 0o200, 0o400, 0o600, 0o604, 0o640, 0o660, 0o666,
+                0o4766, 0o2766, 0o6766, 0o2746, 0o6777)  # fmt: skip
+MATRIX_OP_NAMES = ("read", "write", "rdwr", "trunc_open", "append", "truncate", "ftruncate",
+                   "chmod", "chmod_sgid", "chgrp", "chgrp_own", "chown", "utime_now",
+                   "utime_set", "unlink", "rename", "link", "setxattr", "getxattr",
+                   "access_w")  # fmt: skip
+# The child each user runs: the named ops on the given paths, one errno name (or OK) each.
+MATRIX_OPS = """
+import errno, json, os, sys
+def fd_op(p, flags, then=None):
+    fd = os.open(p, flags)
+    try:
+        if then:
+            then(fd)
+    finally:
+        os.close(fd)
+OPS = {
+    "read": lambda p: fd_op(p, os.O_RDONLY),
+    "write": lambda p: fd_op(p, os.O_WRONLY, lambda fd: os.write(fd, b"w")),
+    "rdwr": lambda p: fd_op(p, os.O_RDWR, lambda fd: os.pwrite(fd, b"r", 1)),
+    "trunc_open": lambda p: fd_op(p, os.O_WRONLY | os.O_TRUNC),
+    "append": lambda p: fd_op(p, os.O_WRONLY | os.O_APPEND, lambda fd: os.write(fd, b"a")),
+    "truncate": lambda p: os.truncate(p, 1),
+    "ftruncate": lambda p: fd_op(p, os.O_RDWR, lambda fd: os.ftruncate(fd, 2)),
+    "chmod": lambda p: os.chmod(p, 0o644),
+    "chmod_sgid": lambda p: os.chmod(p, 0o2755),
+    "chgrp": lambda p: os.chown(p, -1, 2000),
+    "chgrp_own": lambda p: os.chown(p, -1, os.getgid()),
+    "chown": lambda p: os.chown(p, os.getuid(), -1),
+    "utime_now": lambda p: os.utime(p, None),
+    "utime_set": lambda p: os.utime(p, (1, 2)),
+    "unlink": lambda p: os.unlink(p),
+    "rename": lambda p: os.rename(p, p + ".moved"),
+    "link": lambda p: os.link(p, p + ".link"),
+    "setxattr": lambda p: os.setxattr(p, "user.x", b"1"),
+    "getxattr": lambda p: os.getxattr(p, "user.k"),
+    "access_w": lambda p: None if os.access(p, os.W_OK) else (_ for _ in ()).throw(
+        OSError(errno.EACCES, "no")),
+}
+out = []
+for op, p in json.loads(sys.argv[1]):
+    try:
+        OPS[op](p)
+        out.append("OK")
+    except OSError as e:
+        out.append(errno.errorcode.get(e.errno, str(e.errno)))
+print(json.dumps(out))
+"""
+
+
+def _matrix(root: str) -> dict:
+    """Run every op as every user on a fresh file of every mode under `root` (a sticky,
+    world-writable directory of root's); the errno of each, and each file's state after."""
+    os.chmod(root, 0o777)
+    d = os.path.join(root, "sticky")
+    os.mkdir(d)
+    os.chmod(d, 0o1777)
+    jobs: dict[str, list] = {u: [] for u in MATRIX_USERS}
+    for user in MATRIX_USERS:
+        for op in MATRIX_OP_NAMES:
+            for mode in MATRIX_MODES:
+                p = os.path.join(d, f"{user}-{op}-{mode:o}")
+                with open(p, "wb") as f:
+                    f.write(b"0123")
+                os.setxattr(p, "user.k", b"v")
+                os.chown(p, OWNER, GROUP)
+                os.chmod(p, mode)
+                jobs[user].append((op, p))
+    results = {}
+    for user, (uid, gid, groups) in MATRIX_USERS.items():
+
+        def drop(uid=uid, gid=gid, groups=groups) -> None:
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+
+        run = subprocess.run(
+            [OTHER_PYTHON, "-S", "-c", MATRIX_OPS, json.dumps(jobs[user])],
+            preexec_fn=drop, capture_output=True, text=True, timeout=120, cwd="/",
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        for (_op, p), res in zip(jobs[user], json.loads(run.stdout), strict=True):
+            rel = os.path.relpath(p, root)
+            after = {}
+            for q in (p, p + ".moved", p + ".link"):
+                try:
+                    st = os.lstat(q)
+                    after[q[len(p) :] or "."] = (oct(st.st_mode), st.st_uid, st.st_gid,
+                                                 st.st_size, st.st_nlink)  # fmt: skip
+                except FileNotFoundError:
+                    pass
+            results[rel] = (res, after)
+    return results
+
+
+@needs_root
+def test_permission_matrix_matches_the_local_disk(public_dir, new_volume, mount_factory):
+    """20 operations (opens, writes, truncates, chmod/chown, utimes, unlink/rename/link in a
+    sticky directory, xattrs) by root, the owner, a group member and another user, each on
+    a fresh file of 13 modes (setuid/setgid combinations among them): the mount must give
+    the errno the local disk gives, and leave each file's mode, owner, size and links as
+    the local disk leaves them, 1,040 cases."""
+    m = mount_factory(new_volume(), os.path.join(public_dir, "mnt"), "--allow-other")
+    ref = os.path.join(public_dir, "ref")
+    os.mkdir(ref)
+    want, got = _matrix(ref), _matrix(m.mp)
+    assert len(want) == len(MATRIX_USERS) * len(MATRIX_OP_NAMES) * len(MATRIX_MODES) == 1040
+    diff = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+    shown = sorted(diff.items())[:40]
+    assert not diff, "\n".join(f"{k}: mount {g} disk {w}" for k, (g, w) in shown)
