@@ -7,6 +7,7 @@ import json
 import os
 import pwd
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -467,6 +468,102 @@ def test_permission_matrix_matches_the_local_disk(public_dir, new_volume, mount_
     os.mkdir(ref)
     want, got = _matrix(ref), _matrix(m.mp)
     assert len(want) == len(MATRIX_USERS) * len(MATRIX_OP_NAMES) * len(MATRIX_MODES) == 1040
+    diff = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+    shown = sorted(diff.items())[:40]
+    assert not diff, "\n".join(f"{k}: mount {g} disk {w}" for k, (g, w) in shown)
+
+
+DIR_MODES = (0o000, 0o555, 0o700, 0o711, 0o733, 0o755, 0o775, 0o777, 0o1777, 0o2775, 0o3777)
+DIR_OP_NAMES = ("ls", "stat_f", "create", "mkdir", "unlink_f", "unlink_r", "rmdir",
+                "rename_f", "rename_out", "chmod", "chgrp", "symlink", "link", "utime")  # fmt: skip
+DIR_OPS = """
+import errno, json, os, sys
+OPS = {
+    "ls": lambda d, o: os.listdir(d),
+    "stat_f": lambda d, o: os.stat(d + "/f"),
+    "create": lambda d, o: os.close(os.open(d + "/new", os.O_CREAT | os.O_WRONLY, 0o666)),
+    "mkdir": lambda d, o: os.mkdir(d + "/newd", 0o777),
+    "unlink_f": lambda d, o: os.unlink(d + "/f"),
+    "unlink_r": lambda d, o: os.unlink(d + "/r"),
+    "rmdir": lambda d, o: os.rmdir(d + "/s"),
+    "rename_f": lambda d, o: os.rename(d + "/f", d + "/g"),
+    "rename_out": lambda d, o: os.rename(d + "/f", o),
+    "chmod": lambda d, o: os.chmod(d, 0o755),
+    "chgrp": lambda d, o: os.chown(d, -1, 2000),
+    "symlink": lambda d, o: os.symlink("f", d + "/l"),
+    "link": lambda d, o: os.link(d + "/f", d + "/h"),
+    "utime": lambda d, o: os.utime(d, None),
+}
+out = []
+for op, d, o in json.loads(sys.argv[1]):
+    try:
+        OPS[op](d, o)
+        out.append("OK")
+    except OSError as e:
+        out.append(errno.errorcode.get(e.errno, str(e.errno)))
+print(json.dumps(out))
+"""
+
+
+def _dir_matrix(root: str) -> dict:
+    """Every directory op as every user in a fresh directory of every mode (owned by
+    OWNER:GROUP, holding OWNER's file f, root's file r and OWNER's empty directory s):
+    the errno of each, then the directory's entries and their state."""
+    os.chmod(root, 0o777)
+    jobs: dict[str, list] = {u: [] for u in MATRIX_USERS}
+    for user in MATRIX_USERS:
+        for op in DIR_OP_NAMES:
+            for mode in DIR_MODES:
+                d = os.path.join(root, f"{user}-{op}-{mode:o}")
+                os.mkdir(d)
+                for name, owner in (("f", OWNER), ("r", 0)):
+                    with open(os.path.join(d, name), "wb") as f:
+                        f.write(b"x")
+                    os.chown(os.path.join(d, name), owner, GROUP)
+                os.mkdir(os.path.join(d, "s"))
+                os.chown(os.path.join(d, "s"), OWNER, GROUP)
+                os.chown(d, OWNER, GROUP)
+                os.chmod(d, mode)
+                jobs[user].append((op, d, os.path.join(root, f"out-{user}-{op}-{mode:o}")))
+    results = {}
+    for user, (uid, gid, groups) in MATRIX_USERS.items():
+
+        def drop(uid=uid, gid=gid, groups=groups) -> None:
+            os.setgroups(groups)
+            os.setgid(gid)
+            os.setuid(uid)
+
+        run = subprocess.run(
+            [OTHER_PYTHON, "-S", "-c", DIR_OPS, json.dumps(jobs[user])],
+            preexec_fn=drop, capture_output=True, text=True, timeout=120, cwd="/",
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        for (_op, d, o), res in zip(jobs[user], json.loads(run.stdout), strict=True):
+            after = {}
+            for q in (d, o, *(os.path.join(d, n) for n in os.listdir(d))):
+                try:
+                    st = os.lstat(q)
+                except FileNotFoundError:
+                    continue
+                size = None if stat.S_ISDIR(st.st_mode) else st.st_size  # ext4 dirs: 4096
+                after[os.path.relpath(q, root)] = (oct(st.st_mode), st.st_uid, st.st_gid,
+                                                   st.st_nlink, size)  # fmt: skip
+            results[os.path.relpath(d, root)] = (res, after)
+    return results
+
+
+@needs_root
+def test_directory_matrix_matches_the_local_disk(public_dir, new_volume, mount_factory):
+    """14 directory operations (list, lookup, create, mkdir, unlink of the owner's and of
+    root's file, rmdir, renames in and out, chmod, chgrp, symlink, link, utimes) by root,
+    the owner, a group member and another user in directories of 11 modes (sticky and
+    setgid among them): errno, entries, and each entry's mode, owner, group and links as
+    on the local disk, 616 cases."""
+    m = mount_factory(new_volume(), os.path.join(public_dir, "mnt"), "--allow-other")
+    ref = os.path.join(public_dir, "ref")
+    os.mkdir(ref)
+    want, got = _dir_matrix(ref), _dir_matrix(m.mp)
+    assert len(want) == len(MATRIX_USERS) * len(DIR_OP_NAMES) * len(DIR_MODES) == 616
     diff = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
     shown = sorted(diff.items())[:40]
     assert not diff, "\n".join(f"{k}: mount {g} disk {w}" for k, (g, w) in shown)
