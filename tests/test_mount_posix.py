@@ -411,6 +411,23 @@ print(json.dumps(out))
 """
 
 
+def _run_as(user: str, script: str, jobs: list) -> list[str]:
+    """Run `script` with `jobs` as one of MATRIX_USERS: its errno name (or OK) per job."""
+    uid, gid, groups = MATRIX_USERS[user]
+
+    def drop() -> None:
+        os.setgroups(groups)
+        os.setgid(gid)
+        os.setuid(uid)
+
+    run = subprocess.run(
+        [OTHER_PYTHON, "-S", "-c", script, json.dumps(jobs)],
+        preexec_fn=drop, capture_output=True, text=True, timeout=120, cwd="/",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
 def _matrix(root: str) -> dict:
     """Run every op as every user on a fresh file of every mode under `root` (a sticky,
     world-writable directory of root's); the errno of each, and each file's state after."""
@@ -430,19 +447,8 @@ def _matrix(root: str) -> dict:
                 os.chmod(p, mode)
                 jobs[user].append((op, p))
     results = {}
-    for user, (uid, gid, groups) in MATRIX_USERS.items():
-
-        def drop(uid=uid, gid=gid, groups=groups) -> None:
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-
-        run = subprocess.run(
-            [OTHER_PYTHON, "-S", "-c", MATRIX_OPS, json.dumps(jobs[user])],
-            preexec_fn=drop, capture_output=True, text=True, timeout=120, cwd="/",
-        )  # fmt: skip
-        assert run.returncode == 0, run.stderr
-        for (_op, p), res in zip(jobs[user], json.loads(run.stdout), strict=True):
+    for user in MATRIX_USERS:
+        for (_op, p), res in zip(jobs[user], _run_as(user, MATRIX_OPS, jobs[user]), strict=True):
             rel = os.path.relpath(p, root)
             after = {}
             for q in (p, p + ".moved", p + ".link"):
@@ -456,6 +462,19 @@ def _matrix(root: str) -> dict:
     return results
 
 
+def _mount_vs_disk(matrix, public_dir, new_volume, mount_factory) -> int:
+    """Run `matrix` on a reference directory of the local disk and on a fresh mount; every
+    case must agree. Returns the number of cases."""
+    m = mount_factory(new_volume(), os.path.join(public_dir, "mnt"), "--allow-other")
+    ref = os.path.join(public_dir, "ref")
+    os.mkdir(ref)
+    want, got = matrix(ref), matrix(m.mp)
+    diff = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+    shown = sorted(diff.items())[:40]
+    assert not diff, "\n".join(f"{k}: mount {g} disk {w}" for k, (g, w) in shown)
+    return len(want)
+
+
 @needs_root
 def test_permission_matrix_matches_the_local_disk(public_dir, new_volume, mount_factory):
     """20 operations (opens, writes, truncates, chmod/chown, utimes, unlink/rename/link in a
@@ -463,14 +482,8 @@ def test_permission_matrix_matches_the_local_disk(public_dir, new_volume, mount_
     a fresh file of 13 modes (setuid/setgid combinations among them): the mount must give
     the errno the local disk gives, and leave each file's mode, owner, size and links as
     the local disk leaves them, 1,040 cases."""
-    m = mount_factory(new_volume(), os.path.join(public_dir, "mnt"), "--allow-other")
-    ref = os.path.join(public_dir, "ref")
-    os.mkdir(ref)
-    want, got = _matrix(ref), _matrix(m.mp)
-    assert len(want) == len(MATRIX_USERS) * len(MATRIX_OP_NAMES) * len(MATRIX_MODES) == 1040
-    diff = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
-    shown = sorted(diff.items())[:40]
-    assert not diff, "\n".join(f"{k}: mount {g} disk {w}" for k, (g, w) in shown)
+    cases = _mount_vs_disk(_matrix, public_dir, new_volume, mount_factory)
+    assert cases == len(MATRIX_USERS) * len(MATRIX_OP_NAMES) * len(MATRIX_MODES) == 1040
 
 
 DIR_MODES = (0o000, 0o555, 0o700, 0o711, 0o733, 0o755, 0o775, 0o777, 0o1777, 0o2775, 0o3777)
@@ -526,19 +539,8 @@ def _dir_matrix(root: str) -> dict:
                 os.chmod(d, mode)
                 jobs[user].append((op, d, os.path.join(root, f"out-{user}-{op}-{mode:o}")))
     results = {}
-    for user, (uid, gid, groups) in MATRIX_USERS.items():
-
-        def drop(uid=uid, gid=gid, groups=groups) -> None:
-            os.setgroups(groups)
-            os.setgid(gid)
-            os.setuid(uid)
-
-        run = subprocess.run(
-            [OTHER_PYTHON, "-S", "-c", DIR_OPS, json.dumps(jobs[user])],
-            preexec_fn=drop, capture_output=True, text=True, timeout=120, cwd="/",
-        )  # fmt: skip
-        assert run.returncode == 0, run.stderr
-        for (_op, d, o), res in zip(jobs[user], json.loads(run.stdout), strict=True):
+    for user in MATRIX_USERS:
+        for (_op, d, o), res in zip(jobs[user], _run_as(user, DIR_OPS, jobs[user]), strict=True):
             after = {}
             for q in (d, o, *(os.path.join(d, n) for n in os.listdir(d))):
                 try:
@@ -559,11 +561,5 @@ def test_directory_matrix_matches_the_local_disk(public_dir, new_volume, mount_f
     the owner, a group member and another user in directories of 11 modes (sticky and
     setgid among them): errno, entries, and each entry's mode, owner, group and links as
     on the local disk, 616 cases."""
-    m = mount_factory(new_volume(), os.path.join(public_dir, "mnt"), "--allow-other")
-    ref = os.path.join(public_dir, "ref")
-    os.mkdir(ref)
-    want, got = _dir_matrix(ref), _dir_matrix(m.mp)
-    assert len(want) == len(MATRIX_USERS) * len(DIR_OP_NAMES) * len(DIR_MODES) == 616
-    diff = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
-    shown = sorted(diff.items())[:40]
-    assert not diff, "\n".join(f"{k}: mount {g} disk {w}" for k, (g, w) in shown)
+    cases = _mount_vs_disk(_dir_matrix, public_dir, new_volume, mount_factory)
+    assert cases == len(MATRIX_USERS) * len(DIR_OP_NAMES) * len(DIR_MODES) == 616
