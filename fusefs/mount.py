@@ -303,10 +303,7 @@ class CkptFS(pyfuse3.Operations):
             # group-execute of a file whose group the caller is not in.
             groups = self._opener(cur, ctx)
             if groups is not None:
-                mode = kw.get("mode", cur.mode)
-                kill = self._kill_bits(mode, cur.gid, groups)
-                if kill:
-                    kw["mode"] = mode & ~kill
+                kw["clear_mode"] = self._kill_bits(kw.get("mode", cur.mode), cur.gid, groups)
         if st is not None and (fields.update_size or fields.update_mtime):
             await self.cache.commit(st)  # unflushed writes land first, then the change
         if fields.update_size:  # may drop chunk references: not on the loop

@@ -42,6 +42,7 @@ from metadata.engine import (
     Extent,
     MetaError,
     NewChunk,
+    UnknownChunks,
     chunk_lengths_ok,
     internal_error,
 )
@@ -850,7 +851,7 @@ class CheckpointMixin:
             bad = [cid for f in t[4] for cid in blob_chunk_ids(f[3]) if cid in missing]
             bad = [cid for cid in bad if cid not in new]
             if bad:
-                res[t[0]] = MetaError(
+                res[t[0]] = UnknownChunks(
                     errno.EIO,
                     f"extents reference {len(set(bad))} unknown chunk(s), e.g. {bad[0].hex()}",
                 )
