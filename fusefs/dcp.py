@@ -245,11 +245,15 @@ def parse_ckpt_path(path: str, job: str | None = None, step: int | None = None) 
 # -- writer ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _RankPlan:
-    """What the coordinator tells each rank: its file prefix and the step it commits to."""
+    """What the coordinator tells each rank: its file prefix.
+
+    Not the step: with DCP's plan caching (`DefaultSavePlanner(enable_plan_caching=True)`)
+    a rank whose plan did not change gets its previous save's final plan back, storage_data
+    and all, so anything per-save carried here would be the last save's. Each rank commits
+    to its own writer's (job, step); a rank given another path than the coordinator's finds
+    that step not begun and fails the save."""
 
     prefix: str
-    job: str
-    step: int
 
 
 class _Sink(io.RawIOBase):
@@ -313,7 +317,6 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         self.save_id = _uuid()
         self.rank: int = 0
         self.is_coordinator = False
-        self._plan: _RankPlan | None = None
         self._pending: list[dict] = []
 
     # pickling: only specs and plain settings travel (async PROCESS mode)
@@ -328,7 +331,6 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
             self.path = _norm_path(checkpoint_id)
             self.job, self.step = parse_ckpt_path(self.path, self._job_arg, self._step_arg)
         self.save_id = _uuid()
-        self._plan = None
         self._pending = []
 
     @property
@@ -373,13 +375,11 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
                 + "): save under a new step number"
             )
         return [
-            dataclasses.replace(p, storage_data=_RankPlan(f"__{i}_", self.job, self.step))
-            for i, p in enumerate(plans)
+            dataclasses.replace(p, storage_data=_RankPlan(f"__{i}_")) for i, p in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rp: _RankPlan = plan.storage_data
-        self._plan = rp
         try:
             results, files = self._write_files(rp, plan.items, planner)
             tier = _volume(self.volume, self.tier).tier
@@ -427,10 +427,9 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         return results, [f for _, f in done]
 
     def _commit(self, files: list[dict]) -> dict:
-        assert self._plan is not None
         meta = _volume(self.volume, self.tier).meta
         return meta.commit_rank(
-            self._plan.job, self._plan.step, self.rank, files, host=socket.gethostname()[:255]
+            self.job, self.step, self.rank, files, host=socket.gethostname()[:255]
         )
 
     def _discard_unsynced(self) -> None:
@@ -443,10 +442,8 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
             pass
 
     def _abort(self, reason: str) -> None:
-        rp = self._plan
-        job, step = (rp.job, rp.step) if rp is not None else (self.job, self.step)
         try:
-            _volume(self.volume, self.tier).meta.abort(job, step, reason[:500])
+            _volume(self.volume, self.tier).meta.abort(self.job, self.step, reason[:500])
         except Exception:  # noqa: S110 - the original error is the one to report
             pass
 
@@ -470,10 +467,7 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
             files = [*self._pending, _file_record(METADATA_FILE, w)]
             info = self._commit(files)
             if info["state"] == "open":
-                assert self._plan is not None
-                info = vol.meta.wait_published(
-                    self._plan.job, self._plan.step, timeout=self.publish_timeout
-                )
+                info = vol.meta.wait_published(self.job, self.step, timeout=self.publish_timeout)
             if info["state"] != "published":
                 raise CkptfsError(
                     f"{info['job']} step {info['step']} was not published: "

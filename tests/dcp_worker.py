@@ -207,6 +207,20 @@ def scenario_reshard_async(res: Results, mesh, vol: str) -> None:
         dcp.load(target, storage_reader=CkptfsReader(vol, path(step, "async")))
         res.check(f"async_load_{step}", *compare(target, 2))
 
+    # DCP's plan caching hands a rank its previous save's plan when nothing changed
+    # (storage_data included): each save must still land in its own step
+    for version in (1, 2, 3):
+        dcp.save(
+            state_dict(mesh, version),
+            storage_writer=CkptfsWriter(vol, path(version, "cached")),
+            planner=DefaultSavePlanner(enable_plan_caching=True),
+        )
+    res.check("cached_plan_latest", latest_step(vol, "cached") == 3, latest_step(vol, "cached"))
+    for version in (1, 2, 3):
+        target = state_dict(mesh, version, zeros=True)
+        dcp.load(target, storage_reader=CkptfsReader(vol, path(version, "cached")))
+        res.check(f"cached_plan_load_{version}", *compare(target, version))
+
 
 def scenario_cross(res: Results, mesh, vol: str) -> None:
     """2 ranks, through the FUSE mount: native save -> FileSystemReader, and the reverse."""

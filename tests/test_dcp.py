@@ -232,6 +232,7 @@ def test_reshard_to_two_ranks_and_async_saves(saved):
     vol, _, base = saved
     results = launch("reshard_async", 2, vol, str(base / "out2"))
     assert_checks(results, "reshard_load_1", "reshard_load_2", "async_load_11", "async_load_12")
+    assert_checks(results, "cached_plan_latest", *(f"cached_plan_load_{v}" for v in (1, 2, 3)))
     with Volume.open(vol) as v:
         readers = {s: CkptfsReader(vol, f"async/step-{s:06d}") for s in (10, 11, 12)}
         metas = {s: r.read_metadata() for s, r in readers.items()}
