@@ -873,6 +873,7 @@ class WriteBehindTier:
     # -- housekeeping -------------------------------------------------------------------------
     def _housekeep(self) -> None:
         last_status = last_adopt = 0.0
+        failing: str | None = None  # the OSError last reported, until a status write succeeds
         while not self._stop.wait(0.1):
             try:
                 self._mark()
@@ -881,12 +882,21 @@ class WriteBehindTier:
                     last_status = now
                     self._rescan()
                     self._write_status()
+                    if failing is not None:
+                        log.info("write-behind housekeeping in %s works again", self.root)
+                        failing = None
                     if self.seg.size > COMPACT_BYTES > 4 * REC_SIZE * len(self.seg.live):
                         self.seg.compact()
                 if now - last_adopt >= 5.0:
                     last_adopt = now
                     self.adopt_orphans()
-            except Exception:  # keep housekeeping alive; the next pass retries
+            except OSError as e:
+                # A full or failing disk: an expected condition, reported once (the pass
+                # retries), without a traceback, until a status write succeeds again.
+                if str(e) != failing:
+                    failing = str(e)
+                    log.error("write-behind housekeeping in %s: %s", self.root, e)
+            except Exception:  # a bug: keep housekeeping alive; the next pass retries
                 log.exception("write-behind housekeeping failed")
 
     def _rescan(self) -> None:

@@ -341,6 +341,37 @@ def test_enospc_only_when_nothing_can_drain(vol_path, tmp_path, caplog):
         vol.close()
 
 
+def test_housekeeping_reports_a_full_disk_once_and_recovers(vol_path, tmp_path, caplog):
+    """A failing status write (the disk full) is one error line, not a traceback every
+    pass; saves keep working; a later good pass says so."""
+    vol = _open(vol_path, str(tmp_path / "staging"))
+    tier = vol.tier
+    real = tier._write_status
+    calls = {"n": 0}
+
+    def full() -> None:
+        calls["n"] += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    try:
+        with caplog.at_level("INFO", logger="ckptfs"):
+            tier._write_status = full
+            _wait(lambda: calls["n"] >= 3, 30, "three failing housekeeping passes")
+            data = _data(3 * MiB, 7)
+            vol.write_file("/during", data)
+            tier._write_status = real
+            _wait(lambda: "works again" in caplog.text, 30, "the recovery line")
+        failing = [r for r in caplog.records if "housekeeping" in r.getMessage()]
+        assert [r.levelname for r in failing] == ["ERROR", "INFO"], failing
+        assert "No space left" in failing[0].getMessage()
+        assert "Traceback" not in caplog.text and not any(r.exc_info for r in failing)
+        tier.flush(timeout=60)
+        assert vol.read_file("/during") == data
+    finally:
+        tier._write_status = real
+        vol.close()
+
+
 # -- read cache + cross-process single flight -----------------------------------------------
 
 READER = r"""
