@@ -142,6 +142,30 @@ class DirNode(ObjectNode):
                         st = entry.stat()
                         yield cid, st.st_size, st.st_mtime
 
+    def sweep_tmp(self, cutoff: float) -> tuple[int, int]:
+        """A put killed between its temp write and the rename leaves the temp file behind:
+        nothing else ever names it. Only files older than the cutoff go (a live put's are
+        seconds old)."""
+        files = nbytes = 0
+        try:
+            entries = list(os.scandir(self._tmp))
+        except FileNotFoundError:
+            return (0, 0)
+        except OSError as e:
+            raise NodeError(f"node {self.name}: list tmp: {e.strerror or e}") from e
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+                if st.st_mtime < cutoff:
+                    os.unlink(entry.path)
+                    files += 1
+                    nbytes += st.st_size
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise NodeError(f"node {self.name}: remove {entry.name}: {e.strerror or e}") from e
+        return files, nbytes
+
     def used_bytes(self) -> int:
         return sum(size for _, size, _ in self.list())
 

@@ -73,6 +73,11 @@ class ObjectNode(ABC):
         """(total, free) bytes of the backing store; (0, 0) when unknown."""
         return (0, 0)
 
+    def sweep_tmp(self, cutoff: float) -> tuple[int, int]:
+        """Remove partial writes a crash left, older than `cutoff` (a time.time()); return
+        (files, bytes). Nodes whose puts are atomic (S3) leave none."""
+        return (0, 0)
+
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 

@@ -87,6 +87,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
             f"gc: {rep.rows_deleted} unreferenced chunk(s), {rep.objects_deleted} object(s) "
             f"deleted, {format_size(rep.bytes_freed)} freed; {rep.young_objects_skipped} "
             f"object(s) younger than the grace period kept"
+            + (
+                f"; {rep.tmp_files_deleted} partial write(s) left by a crash removed"
+                if rep.tmp_files_deleted
+                else ""
+            )
         )
         for e in rep.errors:
             print(f"gc: warning: {e}", file=sys.stderr)

@@ -176,7 +176,10 @@ class _Checker:
             return None, str(e)
         return blob, ""
 
-    def check(self, cid: bytes, raw_len: int | None) -> None:
+    def check(self, cid: bytes, raw_len: int | None, durable: bool = True) -> None:
+        """Verify a chunk's replicas on the nodes. A chunk not yet durable is still staged
+        on a host and its upload may have stopped half-way (a crash): the copies present
+        are checked, the ones not there yet are not missing."""
         h = cid.hex()
         holders = [self.by_name[n] for n, objs in self.listings.items() if cid in objs]
         placement = self.store.placement(cid)
@@ -199,7 +202,7 @@ class _Checker:
                     )
                 )
         bad = {p.node for p in fixes}
-        for n in placement:
+        for n in placement if durable else ():
             if n.name in self.listings and n.name not in good and n.name not in bad:
                 fixes.append(
                     Problem(
@@ -209,6 +212,8 @@ class _Checker:
         for p in fixes:
             self.report.add(p)
         if not good:
+            if not durable:
+                return  # the staged copy on its host is the one the upload will use
             with self._lock:
                 self.lost.append(cid)
             for p in fixes:
@@ -306,7 +311,7 @@ def check_volume(
             meta.fix_refcounts(fix_counts)
 
     todo = [
-        (cid, row.raw_len)
+        (cid, row.raw_len, row.state == DURABLE)
         for cid, row in rows.items()
         if row.state == DURABLE or any(cid in objs for objs in listings.values())
     ]

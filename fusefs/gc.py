@@ -27,6 +27,7 @@ class GcReport:
     objects_deleted: int = 0
     bytes_freed: int = 0
     young_objects_skipped: int = 0
+    tmp_files_deleted: int = 0  # partial replica writes a crash left on directory nodes
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -48,6 +49,9 @@ def gc(vol: Volume, *, grace: float = DEFAULT_GRACE, progress: bool | None = Non
     with Progress(len(vol.store.nodes), "gc", enabled=progress, unit="nodes") as bar:
         for node in vol.store.nodes:
             try:
+                files, nbytes = node.sweep_tmp(cutoff)
+                rep.tmp_files_deleted += files
+                rep.bytes_freed += nbytes
                 old: list[tuple[bytes, int]] = []
                 for cid, size, mtime in node.list():
                     if mtime < cutoff:

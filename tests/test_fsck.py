@@ -15,6 +15,7 @@ from fusefs.cli import main
 from fusefs.fsck import check_volume
 from fusefs.gc import gc
 from fusefs.scrub import scrub
+from metadata.engine import STAGED
 
 
 def fsck_json(capsys, vol, *extra: str) -> tuple[int, dict]:
@@ -61,6 +62,25 @@ def test_deleted_replica_found_and_repaired(filled, capsys):
     rc, rep = fsck_json(capsys, vol)
     assert rc == 0 and rep["problems"] == []
     assert vol.read_file("/d/a.bin") == data
+
+
+def test_upload_stopped_half_way_is_not_a_missing_replica(filled, capsys):
+    """A chunk still staged on a host (not durable) whose upload a crash stopped after one
+    replica: the copy present is checked, the other is not reported missing; once the
+    chunk is marked durable the same gap is a missing replica."""
+    vol, _ = filled
+    cid = first_chunk(vol)
+    vol.store.placement(cid)[1].delete(cid)
+    with vol.meta._tx() as c:  # as the row is before the uploader marks it durable
+        c.execute(vol.meta._q(f"UPDATE chunks SET state = {STAGED} WHERE id = ?"), (cid,))
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 0 and rep["problems"] == [], rep["problems"]
+    vol.store.placement(cid)[0].delete(cid)  # no copy on the nodes at all: still not lost
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 0 and rep["problems"] == [], rep["problems"]
+    vol.meta.mark_durable([cid])
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 1 and sorted(set(kinds(rep))) == ["dangling_extent", "missing_replica"], rep
 
 
 def test_flipped_byte_found_and_rewritten(filled, capsys):
@@ -171,6 +191,25 @@ def test_gc_deletes_only_unreferenced_chunks_past_grace(make_volume, capsys):
     assert not any(n.exists(c) for n in vol.store.nodes for c in drop_ids)
     assert vol.read_file("/keep") == keep
     assert fsck_json(capsys, vol)[1]["problems"] == []
+
+
+def test_gc_removes_partial_writes_a_crash_left_on_a_node(filled):
+    """A put killed between its temp write and the rename leaves a temp file that no
+    object names: gc removes it once past the grace period; a young one (a live put)
+    stays; the objects and their file are untouched."""
+    vol, data = filled
+    node = vol.store.nodes[0]
+    tmp = os.path.join(node.root, "tmp")
+    old, young = os.path.join(tmp, "ab.1234"), os.path.join(tmp, "cd.5678")
+    for p in (old, young):
+        with open(p, "wb") as f:
+            f.write(b"x" * 1000)
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    rep = gc(vol, grace=3600)
+    assert rep.tmp_files_deleted == 1 and rep.bytes_freed >= 1000
+    assert not os.path.exists(old) and os.path.exists(young)
+    assert rep.objects_deleted == 0
+    assert vol.read_file("/d/a.bin") == data
 
 
 def test_gc_spares_chunk_a_writer_just_deduplicated(make_volume):
