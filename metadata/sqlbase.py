@@ -8,6 +8,7 @@ cannot drift apart in behaviour.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import stat
@@ -868,8 +869,9 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 (size, mt, now, pack_extents(extents), alloc, ino),
             )
             # The row as updated (the write lock is held): no need to read it back.
-            return Attr(a.ino, a.mode, a.nlink, a.uid, a.gid, size, a.atime_ns, mt, now,
-                        a.rdev, a.generation + 1, alloc)  # fmt: skip
+            return dataclasses.replace(
+                a, size=size, mtime_ns=mt, ctime_ns=now, generation=a.generation + 1, alloc=alloc
+            )
 
     def _register_chunks(self, c: Any, chunks: list[NewChunk], now: int) -> None:
         if not chunks:

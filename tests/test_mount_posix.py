@@ -428,6 +428,12 @@ def _run_as(user: str, script: str, jobs: list) -> list[str]:
     return json.loads(run.stdout)
 
 
+def _jobs(ops, modes, make) -> dict[str, list]:
+    """Each user's cases, in order: make(user, op, mode) prepares one (as root) and
+    returns its job for `_run_as`."""
+    return {u: [make(u, op, mode) for op in ops for mode in modes] for u in MATRIX_USERS}
+
+
 def _matrix(root: str) -> dict:
     """Run every op as every user on a fresh file of every mode under `root` (a sticky,
     world-writable directory of root's); the errno of each, and each file's state after."""
@@ -435,17 +441,17 @@ def _matrix(root: str) -> dict:
     d = os.path.join(root, "sticky")
     os.mkdir(d)
     os.chmod(d, 0o1777)
-    jobs: dict[str, list] = {u: [] for u in MATRIX_USERS}
-    for user in MATRIX_USERS:
-        for op in MATRIX_OP_NAMES:
-            for mode in MATRIX_MODES:
-                p = os.path.join(d, f"{user}-{op}-{mode:o}")
-                with open(p, "wb") as f:
-                    f.write(b"0123")
-                os.setxattr(p, "user.k", b"v")
-                os.chown(p, OWNER, GROUP)
-                os.chmod(p, mode)
-                jobs[user].append((op, p))
+
+    def make(user: str, op: str, mode: int) -> tuple:
+        p = os.path.join(d, f"{user}-{op}-{mode:o}")
+        with open(p, "wb") as f:
+            f.write(b"0123")
+        os.setxattr(p, "user.k", b"v")
+        os.chown(p, OWNER, GROUP)
+        os.chmod(p, mode)
+        return (op, p)
+
+    jobs = _jobs(MATRIX_OP_NAMES, MATRIX_MODES, make)
     results = {}
     for user in MATRIX_USERS:
         for (_op, p), res in zip(jobs[user], _run_as(user, MATRIX_OPS, jobs[user]), strict=True):
@@ -523,21 +529,21 @@ def _dir_matrix(root: str) -> dict:
     OWNER:GROUP, holding OWNER's file f, root's file r and OWNER's empty directory s):
     the errno of each, then the directory's entries and their state."""
     os.chmod(root, 0o777)
-    jobs: dict[str, list] = {u: [] for u in MATRIX_USERS}
-    for user in MATRIX_USERS:
-        for op in DIR_OP_NAMES:
-            for mode in DIR_MODES:
-                d = os.path.join(root, f"{user}-{op}-{mode:o}")
-                os.mkdir(d)
-                for name, owner in (("f", OWNER), ("r", 0)):
-                    with open(os.path.join(d, name), "wb") as f:
-                        f.write(b"x")
-                    os.chown(os.path.join(d, name), owner, GROUP)
-                os.mkdir(os.path.join(d, "s"))
-                os.chown(os.path.join(d, "s"), OWNER, GROUP)
-                os.chown(d, OWNER, GROUP)
-                os.chmod(d, mode)
-                jobs[user].append((op, d, os.path.join(root, f"out-{user}-{op}-{mode:o}")))
+
+    def make(user: str, op: str, mode: int) -> tuple:
+        d = os.path.join(root, f"{user}-{op}-{mode:o}")
+        os.mkdir(d)
+        for name, owner in (("f", OWNER), ("r", 0)):
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(b"x")
+            os.chown(os.path.join(d, name), owner, GROUP)
+        os.mkdir(os.path.join(d, "s"))
+        os.chown(os.path.join(d, "s"), OWNER, GROUP)
+        os.chown(d, OWNER, GROUP)
+        os.chmod(d, mode)
+        return (op, d, os.path.join(root, f"out-{user}-{op}-{mode:o}"))
+
+    jobs = _jobs(DIR_OP_NAMES, DIR_MODES, make)
     results = {}
     for user in MATRIX_USERS:
         for (_op, d, o), res in zip(jobs[user], _run_as(user, DIR_OPS, jobs[user]), strict=True):
