@@ -16,7 +16,8 @@ one JSON object per engine:
   latest_rpc_ms       N pipelined `latest` RPCs of one job, as at a restart:
                       answered in batches by the service's read thread
 
-Usage: python -m bench.commit --ranks 4096 [--engine sqlite|postgres|both]
+Usage: python -m bench.commit --ranks 4096 [--engine sqlite|postgres|both] [--tls]
+(--tls: the service speaks TLS, with a self-signed certificate made for the run)
 """
 
 from __future__ import annotations
@@ -110,11 +111,11 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def run(engine: str, n: int, procs: int, tmp: str) -> dict:
+def run(engine: str, n: int, procs: int, tmp: str, tls: bool = False) -> dict:
     from fusefs.volume import Volume
     from metadata.client import connect
     from tests.fixtures.postgres import PgCluster, pg_available
-    from tests.fixtures.service import MetaServer
+    from tests.fixtures.service import MetaServer, self_signed
 
     cluster = None
     db = None
@@ -126,7 +127,7 @@ def run(engine: str, n: int, procs: int, tmp: str) -> dict:
         db = cluster.create_db()
     vol_dir = os.path.join(tmp, f"vol-{engine}")
     Volume.create(vol_dir, nodes=2, db=db).close()
-    server = MetaServer(vol_dir, db=db)
+    server = MetaServer(vol_dir, db=db, tls=self_signed(tmp) if tls else None)
     try:
         job, step = "bench", 1
         main = connect(server.url)
@@ -171,6 +172,7 @@ def run(engine: str, n: int, procs: int, tmp: str) -> dict:
     publish_ms = (published_at[0] - first) * 1e3
     return {
         "engine": engine,
+        "tls": tls,
         "ranks": n,
         "procs": procs,
         "state": info["state"],
@@ -192,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--procs", type=int, default=4, help="worker processes (connections)")
     ap.add_argument("--engine", choices=["sqlite", "postgres", "both"], default="both")
+    ap.add_argument("--tls", action="store_true", help="the service speaks TLS")
     args = ap.parse_args(argv)
     engines = ["sqlite", "postgres"] if args.engine == "both" else [args.engine]
     tmp = tempfile.mkdtemp(prefix="ckptfs-bench-commit-")
     try:
-        results = {e: run(e, args.ranks, min(args.procs, args.ranks), tmp) for e in engines}
+        procs = min(args.procs, args.ranks)
+        results = {e: run(e, args.ranks, procs, tmp, args.tls) for e in engines}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     targets = {4096: (500, 500), 16384: (2000, None)}.get(args.ranks)

@@ -242,4 +242,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the package module, not this __main__ copy: subcommand modules raise
+    # fusefs.cli.UserError, which this copy's `except UserError` would not catch.
+    from fusefs.cli import main as package_main
+
+    sys.exit(package_main())

@@ -9,6 +9,7 @@ import os
 import secrets
 import sys
 import time
+from functools import partial
 
 from fusefs.units import format_size
 from fusefs.volume import VOLUME_FILE, VolumeError, _open_engine
@@ -73,6 +74,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     desc = _volume_desc(path)
     token_file = args.token_file or os.path.join(path, TOKEN_FILE)
     token = ensure_token(token_file)
+    tls = None
+    if args.tls_cert or args.tls_key:
+        from fusefs.cli import UserError
+        from metadata.tls import server_context
+
+        if not args.tls_cert:
+            raise UserError("--tls-key needs --tls-cert")
+        tls = server_context(args.tls_cert, args.tls_key)  # before opening anything
     engine = _open_engine(args.db or desc["meta"], path)
     engine.get_config()  # fail now, with one line, if the engine holds no volume
     host, port = args.listen
@@ -83,8 +92,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            bound = await nursery.start(service.serve, host, port)
-            print(f"ckptfs meta: serving {path} on {host}:{bound} (token {token_file})", flush=True)
+            bound = await nursery.start(partial(service.serve, host, port, ssl_context=tls))
+            mode = ", TLS" if tls else ", no TLS: trusted networks only"
+            print(
+                f"ckptfs meta: serving {path} on {host}:{bound} (token {token_file}{mode})",
+                flush=True,
+            )
 
     try:
         trio.run(main)
@@ -181,6 +194,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--token-file", default=None, help=f"default VOLUME/{TOKEN_FILE}, created")
     s.add_argument("--max-frame", type=size_arg, default=MAX_FRAME)
     s.add_argument("--threads", type=int, default=8, help="engine worker threads")
+    s.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS: certificate chain")
+    s.add_argument("--tls-key", default=None, metavar="PEM", help="its key (default: in the cert)")
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("checkpoints", help="list and inspect checkpoint steps")

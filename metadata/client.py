@@ -8,8 +8,10 @@ with its original idempotency key, so a commit retried across a service
 restart is applied once (the service dedups keys; checkpoint commits are
 also idempotent by content).
 
-URL: `ckptfs://HOST:PORT[?token_file=PATH&retry=SECONDS]`. The token comes
-from, in order: the URL's `token_file=`, `CKPTFS_TOKEN`, `CKPTFS_TOKEN_FILE`.
+URL: `ckptfs://HOST:PORT[?token_file=PATH&retry=SECONDS&tls=1&ca=PATH]`. The
+token comes from, in order: the URL's `token_file=`, `CKPTFS_TOKEN`,
+`CKPTFS_TOKEN_FILE`. `tls=1` or `ca=PATH` speaks TLS to a service started
+with `--tls-cert` (see tls.py).
 Object-node settings come from the service (`get_config`), so address and
 token are all a client needs.
 """
@@ -20,6 +22,7 @@ import errno
 import os
 import random
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import Future
@@ -38,6 +41,7 @@ from metadata.protocol import (
     decode,
     encode_frame,
 )
+from metadata.tls import TlsSocket, client_context, describe_tls_error
 
 CONNECT_TIMEOUT = 5.0
 DEFAULT_RETRY = 60.0
@@ -100,6 +104,7 @@ def connect(spec: str, **kw: Any) -> RemoteEngine:
     token = kw.pop("token", None) or resolve_token(params)
     if "retry" in params:
         kw.setdefault("retry_for", float(params["retry"][0]))
+    kw.setdefault("tls", client_context(params))
     return RemoteEngine(host, port, token, **kw)
 
 
@@ -114,8 +119,10 @@ class RemoteEngine(MetaEngine):
         *,
         retry_for: float = DEFAULT_RETRY,
         max_frame: int = MAX_FRAME,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.host, self.port = host, port
+        self.tls = tls
         self._token = token
         self.retry_for = retry_for
         self.max_frame = max_frame
@@ -123,7 +130,7 @@ class RemoteEngine(MetaEngine):
         self._send_lock = threading.Lock()  # socket writes, resends
         self._pending: dict[int, _Pending] = {}
         self._next_id = 1
-        self._sock: socket.socket | None = None
+        self._sock: socket.socket | TlsSocket | None = None
         self._closed = False
         self._fatal: MetaError | None = None
         self.reconnects = 0
@@ -133,9 +140,11 @@ class RemoteEngine(MetaEngine):
         self._io.start()
 
     # -- connection ----------------------------------------------------------------
-    def _open(self, timeout: float) -> socket.socket:
+    def _open(self, timeout: float) -> socket.socket | TlsSocket:
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=timeout)
+            sock: socket.socket | TlsSocket = socket.create_connection(
+                (self.host, self.port), timeout=timeout
+            )
         except OSError as e:
             raise MetaError(
                 errno.ECONNREFUSED,
@@ -143,13 +152,26 @@ class RemoteEngine(MetaEngine):
             ) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                try:
+                    sock = TlsSocket(sock, self.tls, self.host, timeout)
+                except ssl.SSLError as e:
+                    raise describe_tls_error(self.host, self.port, e) from None
             sock.sendall(encode_frame({"proto": PROTO_VERSION, "token": self._token}))
             dec = FrameDecoder(self.max_frame)
             frames: list[bytes | memoryview] = []
             while not frames:
                 data = sock.recv(65536)
                 if not data:
-                    raise ConnectionError("service closed the connection during the handshake")
+                    hint = "" if self.tls else " (a service with TLS? add ?ca=PATH or ?tls=1)"
+                    raise ConnectionError(
+                        f"service closed the connection during the handshake{hint}"
+                    )
+                if self.tls is None and data[:1] in (b"\x15", b"\x16") and data[1:2] == b"\x03":
+                    raise MetaError(  # a TLS record: an alert or a server hello
+                        errno.EPROTO,
+                        f"{self.host}:{self.port} speaks TLS: add ?ca=PATH or ?tls=1 to the URL",
+                    )
                 frames = dec.feed(data)
             reply = decode(frames[0])
             if not isinstance(reply, dict) or not reply.get("ok"):
@@ -169,7 +191,7 @@ class RemoteEngine(MetaEngine):
                 errno.ECONNRESET, f"handshake with {self.host}:{self.port}: {e}"
             ) from None
 
-    def _io_loop(self, sock: socket.socket) -> None:
+    def _io_loop(self, sock: socket.socket | TlsSocket) -> None:
         """Read responses; on a broken connection reconnect and resend what is pending."""
         delay = 0.05
         down_since: float | None = None
@@ -211,7 +233,7 @@ class RemoteEngine(MetaEngine):
                 pass
             sock = None  # type: ignore[assignment]
 
-    def _read(self, sock: socket.socket) -> None:
+    def _read(self, sock: socket.socket | TlsSocket) -> None:
         dec = FrameDecoder(self.max_frame)
         while True:
             data = sock.recv(1 << 20)

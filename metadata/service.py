@@ -33,6 +33,7 @@ import gc
 import hmac
 import logging
 import os
+import ssl
 import sys
 import time
 from collections import OrderedDict
@@ -133,7 +134,7 @@ class _Slot:
 class _Conn:
     """One client connection: answers are queued here and written by one task, coalesced."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.out: list[bytes] = []
         self.wake = trio.Event()
@@ -247,7 +248,12 @@ class MetaService:
 
     # -- lifecycle -------------------------------------------------------------
     async def serve(
-        self, host: str, port: int, *, task_status: Any = trio.TASK_STATUS_IGNORED
+        self,
+        host: str,
+        port: int,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
         # A group commit holds ~10 live containers per rank (decoded requests, rows):
         # with the default thresholds the cyclic GC rescans them every ~700 allocations,
@@ -261,11 +267,15 @@ class MetaService:
         sys.setswitchinterval(SWITCH_INTERVAL)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            listeners = await trio.open_tcp_listeners(port, host=host)
+            tcp = await trio.open_tcp_listeners(port, host=host)
+            bound = tcp[0].socket.getsockname()[1]
+            listeners: list[Any] = tcp
+            if ssl_context is not None:  # the TLS handshake runs in the hello's receive
+                listeners = [trio.SSLListener(t, ssl_context) for t in tcp]
             nursery.start_soon(self._group.run)
             nursery.start_soon(self._reads.run)
             nursery.start_soon(self._expirer)
-            task_status.started(listeners[0].socket.getsockname()[1])
+            task_status.started(bound)
             await trio.serve_listeners(self._handle, listeners)
 
     async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
@@ -276,11 +286,12 @@ class MetaService:
         self._changed = trio.Event()
 
     # -- connections -------------------------------------------------------------
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _handle(self, stream: trio.SocketStream | trio.SSLStream) -> None:
         self.connections += 1
         peer = "?"
         try:
-            peer = "{}:{}".format(*stream.socket.getpeername()[:2])
+            tcp = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+            peer = "{}:{}".format(*tcp.socket.getpeername()[:2])
             await self._session(stream, peer)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass
@@ -297,12 +308,17 @@ class MetaService:
             self.connections -= 1
             await trio.aclose_forcefully(stream)
 
-    async def _session(self, stream: trio.SocketStream, peer: str) -> None:
+    async def _session(self, stream: trio.abc.Stream, peer: str) -> None:
         dec = FrameDecoder(self.max_frame)
         frames: list[bytes | memoryview] = []
         with trio.move_on_after(HANDSHAKE_TIMEOUT) as scope:
             while not frames:
-                data = await stream.receive_some(65536)
+                try:  # with TLS, the first receive runs its handshake
+                    data = await stream.receive_some(65536)
+                except trio.BrokenResourceError as e:
+                    if isinstance(e.__cause__, ssl.SSLError):  # e.g. a client without TLS
+                        raise ProtocolError(f"TLS: {e.__cause__.reason or e.__cause__}") from None
+                    raise
                 if not data:
                     return
                 frames = dec.feed(data)

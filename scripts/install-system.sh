@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # System packages ckptfs needs on Debian: FUSE 3 (mount + headers for pyfuse3),
 # PostgreSQL (the scale-out metadata engine and its tests), rclone (a peer the
-# FUSE benchmark compares against). Idempotent; skips apt when all are present.
+# FUSE benchmark compares against), openssl (test certificates for the service's
+# TLS). Idempotent; skips apt when all are present.
 set -euo pipefail
-pkgs=(fuse3 libfuse3-dev pkg-config postgresql rclone rsync)
+pkgs=(fuse3 libfuse3-dev pkg-config postgresql rclone rsync openssl)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
