@@ -206,13 +206,22 @@ def stored_bytes(vol_dir: str) -> int:
         return v.stats()["stored_bytes"]
 
 
-def small_files(directory: str, n: int) -> float:
+def small_files(directory: str, n: int, *, unique: bool = True, fsync: bool = False) -> float:
+    """create+write+close of n files of 4 KiB a second. unique: every file's content
+    differs (as in a source tree: each close stores a new chunk); else all files hold the
+    same bytes, so after the first only the metadata changes (dedup). fsync: each file
+    is fsync'd before close (the durability a close has on the mount's local tier)."""
     os.makedirs(directory, exist_ok=True)
-    payload = os.urandom(4096)
+    payload = bytearray(os.urandom(4096))
     t = time.perf_counter()
     for i in range(n):
+        if unique:
+            payload[:8] = i.to_bytes(8, "little")
         with open(os.path.join(directory, f"s{i:05d}"), "wb") as f:
             f.write(payload)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
     return n / (time.perf_counter() - t)
 
 
@@ -346,12 +355,19 @@ def main() -> int:
         )
         del states
 
-        # 3. small files
+        # 3. small files: unique content (the target), then all-identical (dedup) content;
+        # on the disk without and with an fsync per file (a close on the mount is durable)
         c0 = cpu_s(proc.pid)
         out["small_files_per_s"] = round(small_files(os.path.join(mp, "small"), args.small), 1)
         out["daemon_cpu_s_small"] = round(cpu_s(proc.pid) - c0, 2)
+        out["small_files_same_content_per_s"] = round(
+            small_files(os.path.join(mp, "small-same"), args.small, unique=False), 1
+        )
         out["disk_small_files_per_s"] = round(
             small_files(os.path.join(disk_dir, "small"), args.small), 1
+        )
+        out["disk_small_files_fsync_per_s"] = round(
+            small_files(os.path.join(disk_dir, "small-fsync"), args.small, fsync=True), 1
         )
         unmount(mp, proc)
         procs.clear()
