@@ -167,11 +167,6 @@ class RemoteEngine(MetaEngine):
                     raise ConnectionError(
                         f"service closed the connection during the handshake{hint}"
                     )
-                if self.tls is None and data[:1] in (b"\x15", b"\x16") and data[1:2] == b"\x03":
-                    raise MetaError(  # a TLS record: an alert or a server hello
-                        errno.EPROTO,
-                        f"{self.host}:{self.port} speaks TLS: add ?ca=PATH or ?tls=1 to the URL",
-                    )
                 frames = dec.feed(data)
             reply = decode(frames[0])
             if not isinstance(reply, dict) or not reply.get("ok"):

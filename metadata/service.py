@@ -33,6 +33,7 @@ import gc
 import hmac
 import logging
 import os
+import socket
 import ssl
 import sys
 import time
@@ -243,6 +244,7 @@ class MetaService:
         self._terminal: dict[tuple[str, int], dict] = {}
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._tls: ssl.SSLContext | None = None  # set by serve()
         self.connections = 0
         self.stats = {"requests": 0, "inline": 0, "bad_clients": 0}
 
@@ -267,15 +269,12 @@ class MetaService:
         sys.setswitchinterval(SWITCH_INTERVAL)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            tcp = await trio.open_tcp_listeners(port, host=host)
-            bound = tcp[0].socket.getsockname()[1]
-            listeners: list[Any] = tcp
-            if ssl_context is not None:  # the TLS handshake runs in the hello's receive
-                listeners = [trio.SSLListener(t, ssl_context) for t in tcp]
+            self._tls = ssl_context
+            listeners = await trio.open_tcp_listeners(port, host=host)
             nursery.start_soon(self._group.run)
             nursery.start_soon(self._reads.run)
             nursery.start_soon(self._expirer)
-            task_status.started(bound)
+            task_status.started(listeners[0].socket.getsockname()[1])
             await trio.serve_listeners(self._handle, listeners)
 
     async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
@@ -286,12 +285,17 @@ class MetaService:
         self._changed = trio.Event()
 
     # -- connections -------------------------------------------------------------
-    async def _handle(self, stream: trio.SocketStream | trio.SSLStream) -> None:
+    async def _handle(self, tcp: trio.SocketStream) -> None:
         self.connections += 1
         peer = "?"
+        stream: trio.abc.Stream = tcp
         try:
-            tcp = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
             peer = "{}:{}".format(*tcp.socket.getpeername()[:2])
+            if self._tls is not None:
+                tls = await self._start_tls(tcp, peer)
+                if tls is None:
+                    return
+                stream = tls
             await self._session(stream, peer)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass
@@ -307,6 +311,26 @@ class MetaService:
         finally:
             self.connections -= 1
             await trio.aclose_forcefully(stream)
+
+    async def _start_tls(self, tcp: trio.SocketStream, peer: str) -> trio.SSLStream | None:
+        """TLS over this connection, once its first byte says the client speaks TLS; None
+        when the client is gone or did not. A plain client is told so in plain text, and
+        gives up (EPROTO) instead of taking a dropped connection for a network fault and
+        retrying forever. (The TLS handshake itself runs in the hello's first receive.)"""
+        with trio.move_on_after(HANDSHAKE_TIMEOUT):
+            first = await tcp.socket.recv(1, socket.MSG_PEEK)
+            if first and first != b"\x16":  # not a TLS handshake record
+                self.stats["bad_clients"] += 1
+                log.info("dropping %s: a client without TLS", peer)
+                await tcp.send_all(
+                    encode_frame(
+                        {"ok": False, "errno": errno.EPROTO,
+                         "error": "this service speaks TLS: add ?ca=PATH or ?tls=1 to the URL"}
+                    )
+                )  # fmt: skip
+                return None
+            return trio.SSLStream(tcp, self._tls, server_side=True) if first else None
+        raise ProtocolError("no TLS handshake within the handshake timeout")
 
     async def _session(self, stream: trio.abc.Stream, peer: str) -> None:
         dec = FrameDecoder(self.max_frame)

@@ -26,6 +26,9 @@ import threading
 
 from metadata.engine import MetaError
 
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+X509_NAME_MISMATCH = (62, 64)
+
 
 def server_context(cert: str, key: str | None = None) -> ssl.SSLContext:
     """A server context from a PEM certificate chain and its private key (or one file
@@ -85,6 +88,12 @@ class TlsSocket:
                 break
             except ssl.SSLWantReadError:
                 pass
+            except ssl.SSLError:  # tell the service why (its log shows our alert, not EOF)
+                try:
+                    self._sock.sendall(self._out.read())
+                except OSError:
+                    pass
+                raise
             self._sock.sendall(self._out.read())
             data = self._sock.recv(65536)
             if not data:
@@ -152,6 +161,12 @@ def describe_tls_error(host: str, port: int, e: BaseException) -> MetaError:
     """A TLS failure as an error that says what to check, not OpenSSL's reason code."""
     reason = getattr(e, "reason", None) or str(e)
     if isinstance(e, ssl.SSLCertVerificationError):
+        if e.verify_code in X509_NAME_MISMATCH:
+            return MetaError(
+                errno.EACCES,
+                f"TLS: the certificate of {host}:{port} does not name {host!r}: "
+                "use a host name or IP address it lists in the URL",
+            )
         msg = f"TLS: the certificate of {host}:{port} is not trusted: {e.verify_message}"
         hint = "pass the CA that signed it with ?ca=PATH"
         return MetaError(errno.EACCES, f"{msg} ({hint})")

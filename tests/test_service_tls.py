@@ -7,13 +7,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from fusefs.volume import Volume
 from metadata.client import connect
 from metadata.engine import MetaError
-from metadata.protocol import PROTO_VERSION, encode_frame
+from metadata.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
 from tests.fixtures.service import ROOT, self_signed
 from tests.test_checkpoints import FILES, rank_files
 
@@ -79,29 +80,33 @@ def test_tls_service_refuses_wrong_peers_and_keeps_serving(tmp_path, tls_served,
     base = f"ckptfs://127.0.0.1:{tls_served.port}"
     good = connect(tls_served.url)
     before = good.stats().as_dict()
-    # a client without TLS: told what to add, not retried forever
+    # a client without TLS: told what to add
     with pytest.raises(MetaError) as e:
-        connect(f"{base}?{token}", retry_for=1)
-    assert "TLS" in str(e.value)
+        connect(f"{base}?{token}")
+    assert e.value.errno == errno.EPROTO and "speaks TLS: add ?ca=PATH" in str(e.value)
     # a client that trusts another certificate
     with pytest.raises(MetaError) as e:
         connect(f"{base}?{token}&ca={certs[1][0]}")
     assert e.value.errno == errno.EACCES and "not trusted" in str(e.value)
-    # a plaintext hello with the right token gets no answer: the token needs TLS
+    # a plaintext hello with the right token is refused in plain text: the token needs TLS
+    with open(tls_served.token_file) as f:
+        hello = encode_frame({"proto": PROTO_VERSION, "token": f.read().strip()})
     with socket.create_connection(("127.0.0.1", tls_served.port), timeout=10) as s:
-        s.sendall(
-            encode_frame({"proto": PROTO_VERSION, "token": open(tls_served.token_file).read()})
-        )
-        got = b""
-        while chunk := s.recv(65536):
-            got += chunk
-        assert b"ok" not in got
+        s.sendall(hello)
+        dec, frames = FrameDecoder(), []
+        while not frames:
+            frames = dec.feed(s.recv(65536))
+        reply = decode(frames[0])
+        assert reply["ok"] is False and reply["errno"] == errno.EPROTO
+        assert "speaks TLS" in reply["error"]
     # a bad URL option
     with pytest.raises(MetaError) as e:
         connect(f"{base}?{token}&tls=maybe")
     assert e.value.errno == errno.EINVAL
     # the good client goes on, nothing changed
     assert good.stats().as_dict() == before
+    good.begin("after", 1, 1)
+    assert good.step_state("after", 1)["state"] == "open"
     good.close()
     # a TLS client against a service without TLS
     Volume.create(str(tmp_path / "plain"), nodes=2).close()
@@ -115,6 +120,26 @@ def test_tls_service_refuses_wrong_peers_and_keeps_serving(tmp_path, tls_served,
         connect(plain.url).close()  # and it serves plain clients
     finally:
         plain.stop()
+
+
+def test_tls_certificate_for_another_address_and_a_service_turning_tls_on(tmp_path, meta_server):
+    Volume.create(str(tmp_path / "vol"), nodes=2).close()
+    server = meta_server(tmp_path / "vol")
+    plain = connect(server.url, retry_for=30)
+    plain.begin("j", 1, 1)
+    # the service comes back with TLS: the plain client stops at once, told why, instead
+    # of retrying until retry_for runs out
+    server.tls = self_signed(str(tmp_path), "elsewhere", address="127.0.0.2")
+    server.restart()
+    t0 = time.monotonic()
+    with pytest.raises(MetaError) as e:
+        plain.step_state("j", 1)
+    assert e.value.errno == errno.EPROTO and "speaks TLS" in str(e.value)
+    assert time.monotonic() - t0 < 20
+    # its certificate names 127.0.0.2, the URL 127.0.0.1
+    with pytest.raises(MetaError) as e:
+        connect(server.url)
+    assert e.value.errno == errno.EACCES and "does not name '127.0.0.1'" in str(e.value)
 
 
 @pytest.mark.parametrize(
