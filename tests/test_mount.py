@@ -18,6 +18,7 @@ import time
 import pytest
 
 from tests.fixtures.mount import have
+from tests.fixtures.service import self_signed
 
 MiB = 2**20
 
@@ -459,8 +460,14 @@ def test_rename_over_existing_is_atomic_for_a_reader(mounted):
     assert _read(target) == versions[-1]
 
 
-def test_second_mount_sees_file_after_close(new_volume, mount_factory):
+@pytest.mark.parametrize("via", ["directory", "service", "service-tls"])
+def test_second_mount_sees_file_after_close(new_volume, mount_factory, meta_server, tmp_path, via):
+    """Two mounts of one volume: opened as its directory (one SQLite database), or as
+    ckptfs://, both through one `meta serve` (with TLS: each mount verifies it)."""
     vol = new_volume()
+    if via != "directory":
+        tls = self_signed(str(tmp_path)) if via == "service-tls" else None
+        vol = meta_server(vol, tls=tls).url
     a = mount_factory(vol, "a")
     b = mount_factory(vol, "b")
     payload = os.urandom(6 * MiB)
