@@ -142,12 +142,14 @@ def write_new(
     parts: bytes | memoryview | list[bytes | memoryview],
     *,
     sync: bool,
+    writeback: bool = True,
 ) -> int:
     """Create `path` (it must not exist; mode 0600) holding the concatenation of `parts`.
 
     With sync the file is fsync'd before returning; without, it is on its way to the disk (a
-    direct write is already there, a buffered one has its writeback started) and a later
-    fdatasync makes it durable. A failed write removes the partial file. Returns the size."""
+    direct write is already there, a buffered one has its writeback started unless
+    `writeback` is False: a copy kept durable elsewhere) and a later fdatasync makes it
+    durable. A failed write removes the partial file. Returns the size."""
     views = [memoryview(p).cast("B") for p in (parts if isinstance(parts, list) else [parts])]
     total = sum(v.nbytes for v in views)
     fd, is_direct = _open_new(path, direct=total >= DIRECT_MIN)
@@ -159,7 +161,7 @@ def write_new(
                 _write_buffered(fd, views)
             if sync:
                 os.fsync(fd)
-            elif not is_direct:
+            elif not is_direct and writeback:
                 start_writeback(fd)
         finally:
             os.close(fd)

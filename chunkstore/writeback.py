@@ -10,9 +10,14 @@ Layout of a staging directory (one per host and volume, shared by every process 
 
 Why it is crash safe: a chunk is written to tmp/, fsync'd, renamed into staged/ and the
 directory fsync'd *before* its P record is appended to the journal and fsync'd, so the journal
-never names a missing or half-written file. A D record is written only after the chunk is on
-R nodes and marked durable in the metadata; only then does the file leave staged/. Concurrent
-writers share fsyncs (group commit): one fsync acknowledges every record written before it.
+never names a missing or half-written file. A small chunk (up to INLINE_MAX) put unsynced
+is journaled with its bytes instead (an I record): its staged file is renamed into place
+but never fsync'd, and whoever adopts the journal after a crash rewrites the file from the
+record if it is missing or damaged. A small file's close then costs one journal fsync, not
+a file fdatasync, a directory fsync and a journal fsync. A D record is written only after
+the chunk is on R nodes and marked durable in the metadata; only then does the file leave
+staged/. Concurrent writers share fsyncs (group commit): one fsync acknowledges every
+record written before it.
 
 Ownership: a process owns its segment while it holds an flock on it. A segment whose lock is
 free belongs to a dead process: any tier (at start, then every few seconds) adopts it by
@@ -41,7 +46,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -62,11 +67,19 @@ _CRC = struct.Struct("<I")
 REC_SIZE = _REC.size + _CRC.size  # 40
 ACTIVE_FILE = "foreground"  # status/foreground: mtime = last foreground put on this host
 KIND_PENDING, KIND_UPLOADED, KIND_DONE = ord("P"), ord("U"), ord("D")
+KIND_INLINE = ord("I")  # pending, with the chunk's bytes after the header (size of them)
+INLINE_MAX = 64 * 1024  # chunks up to this size put unsynced are journaled with their bytes
 COMPACT_BYTES = 8 * 2**20  # rewrite a segment once it holds this many bytes of records
 
 
 def pack_record(kind: int, cid: bytes, size: int = 0, t_ns: int = 0) -> bytes:
     body = _REC.pack(kind, cid, size, t_ns)
+    return body + _CRC.pack(xxhash.xxh32_intdigest(body))
+
+
+def pack_inline(cid: bytes, payload: bytes, t_ns: int) -> bytes:
+    """An I record: a P record that carries the staged object itself, checksummed whole."""
+    body = _REC.pack(KIND_INLINE, cid, len(payload), t_ns) + payload
     return body + _CRC.pack(xxhash.xxh32_intdigest(body))
 
 
@@ -77,36 +90,48 @@ class SegmentState:
     done: dict[bytes, int]  # cid -> time_ns of its D (or U) record
     records: int
     torn: bool  # a partial or corrupt tail was ignored
+    inline: dict[bytes, bytes] = field(default_factory=dict)  # pending from I records: bytes
 
 
 def parse_segment(data: bytes) -> SegmentState:
     """Replay a segment: records up to the first torn or corrupt one (a crash mid-append)."""
-    pending: dict[bytes, tuple[int, int]] = {}
-    uploaded: dict[bytes, int] = {}
-    done: dict[bytes, int] = {}
-    n = 0
-    for off in range(0, len(data) - REC_SIZE + 1, REC_SIZE):
-        body = data[off : off + _REC.size]
-        (crc,) = _CRC.unpack_from(data, off + _REC.size)
-        if xxhash.xxh32_intdigest(body) != crc:
-            return SegmentState(pending, uploaded, done, n, True)
-        kind, cid, size, t_ns = _REC.unpack(body)
-        if kind == KIND_PENDING:
-            pending[cid] = (size, t_ns)
-            uploaded.pop(cid, None)
-            done.pop(cid, None)
-        elif kind == KIND_UPLOADED:
-            pending.pop(cid, None)
-            uploaded[cid] = t_ns
-            done[cid] = t_ns
-        elif kind == KIND_DONE:
-            pending.pop(cid, None)
-            uploaded.pop(cid, None)
-            done[cid] = t_ns
+    st = SegmentState({}, {}, {}, 0, False)
+    off, end = 0, len(data)
+    while off < end:
+        if end - off < REC_SIZE:
+            st.torn = True
+            break
+        kind, cid, size, t_ns = _REC.unpack_from(data, off)
+        body_end = off + _REC.size + (size if kind == KIND_INLINE else 0)
+        if kind == KIND_INLINE and (size > INLINE_MAX or body_end + _CRC.size > end):
+            st.torn = True
+            break
+        (crc,) = _CRC.unpack_from(data, body_end)
+        if xxhash.xxh32_intdigest(data[off:body_end]) != crc:
+            st.torn = True
+            break
+        if kind in (KIND_PENDING, KIND_INLINE):
+            st.pending[cid] = (size, t_ns)
+            st.uploaded.pop(cid, None)
+            st.done.pop(cid, None)
+            if kind == KIND_INLINE:
+                st.inline[cid] = bytes(data[off + _REC.size : body_end])
+            else:
+                st.inline.pop(cid, None)
+        elif kind in (KIND_UPLOADED, KIND_DONE):
+            st.pending.pop(cid, None)
+            st.inline.pop(cid, None)
+            if kind == KIND_UPLOADED:
+                st.uploaded[cid] = t_ns
+            else:
+                st.uploaded.pop(cid, None)
+            st.done[cid] = t_ns
         else:
-            return SegmentState(pending, uploaded, done, n, True)
-        n += 1
-    return SegmentState(pending, uploaded, done, n, len(data) % REC_SIZE != 0)
+            st.torn = True
+            break
+        st.records += 1
+        off = body_end + _CRC.size
+    return st
 
 
 def read_segment(path: str) -> SegmentState:
@@ -195,13 +220,20 @@ class Segment:
         self.size += len(data)
         return self._sync
 
-    def add_pending(self, items: list[tuple[bytes, int, int]]) -> None:
-        """Journal (cid, size, time_ns) as staged; returns once on disk."""
-        data = b"".join(pack_record(KIND_PENDING, c, s, t) for c, s, t in items)
+    def add_pending(
+        self, items: list[tuple[bytes, int, int]], inline: dict[bytes, bytes] | None = None
+    ) -> None:
+        """Journal (cid, size, time_ns) as staged, those in `inline` with their bytes (an
+        I record: their staged files need not be durable); returns once on disk."""
+        inline = inline or {}
+        data = b"".join(
+            pack_inline(c, inline[c], t) if c in inline else pack_record(KIND_PENDING, c, s, t)
+            for c, s, t in items
+        )
         with self._lock:
             sync = self._append(data)
             for c, s, t in items:
-                self.live[c] = (KIND_PENDING, s, t)
+                self.live[c] = (KIND_INLINE if c in inline else KIND_PENDING, s, t)
         sync.sync()
 
     def add_done(self, ids: list[bytes], kind: int = KIND_DONE) -> None:
@@ -217,13 +249,25 @@ class Segment:
                     self.live[c] = (kind, 0, t_ns)
         sync.sync()
 
-    def compact(self) -> None:
+    def compact(self, payload: Callable[[bytes], bytes | None]) -> None:
         """Replace the segment by its live records, atomically and keeping ownership: the new
         file is locked before it is renamed over the old one. Old fds stay open until close so
         a writer still waiting on the old file's fsync is unaffected (its record is in the new
-        file, which is fsync'd here)."""
+        file, which is fsync'd here). Live I records are written again with their bytes,
+        which `payload(cid)` reads back from the staged file (None: that file is gone, its
+        chunk uploaded by another process: a plain P record, as adoption expects)."""
         with self._lock:
-            data = b"".join(pack_record(k, c, s, t) for c, (k, s, t) in self.live.items())
+            recs = []
+            for c, (k, s, t) in list(self.live.items()):
+                blob = payload(c) if k == KIND_INLINE else None
+                if blob is not None:
+                    recs.append(pack_inline(c, blob, t))
+                    continue
+                if k == KIND_INLINE:
+                    k = KIND_PENDING
+                    self.live[c] = (k, s, t)
+                recs.append(pack_record(k, c, s, t))
+            data = b"".join(recs)
             tmp = self.path + ".new"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
             try:
@@ -240,6 +284,11 @@ class Segment:
             self._old_fds.append(self.fd)
             self.fd, self.size = fd, len(data)
             self._sync = GroupSync(lambda: os.fsync(fd))
+
+    def live_bytes(self) -> int:
+        """What a compaction would write (an estimate: I records carry their bytes)."""
+        with self._lock:
+            return sum(REC_SIZE + (s if k == KIND_INLINE else 0) for k, s, _ in self.live.values())
 
     def close(self, *, remove: bool) -> None:
         if remove:
@@ -343,8 +392,9 @@ class WriteBehindTier:
         # uploaded, but the metadata does not know the chunk yet: (first try, last try)
         self._unregistered: dict[bytes, tuple[float, float]] = {}
         self._staging: dict[bytes, threading.Event] = {}
-        # written to tmp/ without fsync (put(sync=False)): acknowledged by sync_staged()
-        self._unsynced: dict[bytes, tuple[str, int]] = {}
+        # written to tmp/ without fsync (put(sync=False)): acknowledged by sync_staged();
+        # (temp path, size, the object's bytes when it is small enough to journal inline)
+        self._unsynced: dict[bytes, tuple[str, int, bytes | None]] = {}
         self._hints: dict[bytes, int | None] = {}  # float width hint for transcode
         self._stored_lens: dict[bytes, int] = {}  # transcoded on upload: size on the nodes
         self._sync_lock = threading.Lock()
@@ -445,10 +495,11 @@ class WriteBehindTier:
                     return STAGED
         parts = [memoryview(p).cast("B") for p in (blob if isinstance(blob, list) else [blob])]
         n = sum(p.nbytes for p in parts)
+        payload = b"".join(parts) if n <= INLINE_MAX else None  # journaled with its bytes
         self._reserve(n)
         tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
-            write_new(tmp, parts, sync=False)
+            write_new(tmp, parts, sync=False, writeback=payload is None)
         except OSError as e:
             self._write_failed(cid, n, e)
             raise
@@ -458,7 +509,7 @@ class WriteBehindTier:
                 self._used -= n
                 os.unlink(tmp)
                 return STAGED
-            self._unsynced[cid] = (tmp, n)
+            self._unsynced[cid] = (tmp, n, payload)
             if width is not None:
                 self._hints[cid] = width
         return STAGED
@@ -466,7 +517,9 @@ class WriteBehindTier:
     def sync_staged(self) -> int:
         """Make every chunk put with sync=False durable here: fsync the files (in parallel,
         one queue for the disk), rename them into staged/, one directory fsync, one journal
-        append + fsync. Returns the chunks acknowledged. Same crash-safety order as `put`."""
+        append + fsync. Returns the chunks acknowledged. Same crash-safety order as `put`.
+        Small chunks skip their file's and the directory's fsync: their journal records
+        carry their bytes (see the module docstring)."""
         with self._sync_lock:
             with self._cond:
                 batch = list(self._unsynced.items())
@@ -482,19 +535,25 @@ class WriteBehindTier:
                 finally:
                     os.close(fd)
 
-            paths = [tmp for _, (tmp, _) in batch]
-            if len(paths) == 1:  # a small file's close: no pool to start for one fsync
+            paths = [tmp for _, (tmp, _, payload) in batch if payload is None]
+            if len(paths) == 1:  # one big chunk: no pool to start for one fsync
                 fsync_one(paths[0])
-            else:
+            elif paths:
                 with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
                     list(ex.map(fsync_one, paths))
-            for cid, (tmp, _) in batch:
-                os.rename(tmp, os.path.join(self.staged_dir, cid.hex()))
-            fsync_dir(self.staged_dir)
+            for cid, (tmp, _, payload) in batch:
+                dst = os.path.join(self.staged_dir, cid.hex())
+                if payload is not None and os.path.exists(dst):
+                    os.unlink(tmp)  # never replace a (maybe durable) staged copy by ours
+                else:
+                    os.rename(tmp, dst)
+            if paths:
+                fsync_dir(self.staged_dir)
             t_ns = time.time_ns()
-            self.seg.add_pending([(cid, n, t_ns) for cid, (_, n) in batch])
+            inline = {cid: payload for cid, (_, _, payload) in batch if payload is not None}
+            self.seg.add_pending([(cid, n, t_ns) for cid, (_, n, _) in batch], inline)
             with self._cond:
-                for cid, (_, n) in batch:
+                for cid, (_, n, _) in batch:
                     self._unsynced.pop(cid, None)
                     self._now_pending(cid, n, t_ns)
                 self._cond.notify_all()
@@ -505,7 +564,7 @@ class WriteBehindTier:
         """Drop chunks put with sync=False and never acknowledged (their save failed)."""
         with self._sync_lock, self._cond:
             batch, self._unsynced = self._unsynced, {}
-            for cid, (tmp, n) in batch.items():
+            for cid, (tmp, n, _) in batch.items():
                 self._hints.pop(cid, None)
                 self._reserved -= n
                 self._used -= n
@@ -885,8 +944,8 @@ class WriteBehindTier:
                     if failing is not None:
                         log.info("write-behind housekeeping in %s works again", self.root)
                         failing = None
-                    if self.seg.size > COMPACT_BYTES > 4 * REC_SIZE * len(self.seg.live):
-                        self.seg.compact()
+                    if self.seg.size > COMPACT_BYTES > 4 * self.seg.live_bytes():
+                        self.seg.compact(self._staged_bytes)
                 if now - last_adopt >= 5.0:
                     last_adopt = now
                     self.adopt_orphans()
@@ -952,6 +1011,28 @@ class WriteBehindTier:
                 os.close(fd)
         return adopted
 
+    def _staged_bytes(self, cid: bytes) -> bytes | None:
+        """A staged object's bytes (for compaction to journal again), or None if gone."""
+        try:
+            with open(os.path.join(self.staged_dir, cid.hex()), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def _restore_inline(self, cid: bytes, payload: bytes) -> None:
+        """An I record's chunk: put its staged file back from the record if a crash lost
+        or damaged it (the file was never fsync'd)."""
+        dst = os.path.join(self.staged_dir, cid.hex())
+        try:
+            with open(dst, "rb") as f:
+                if f.read() == payload:
+                    return
+        except FileNotFoundError:
+            pass
+        tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        write_new(tmp, payload, sync=False, writeback=False)
+        os.rename(tmp, dst)
+
     def _adopt(self, name: str, path: str, state: SegmentState) -> int:
         if state.torn:
             log.info("journal %s: torn tail after %d records ignored", name, state.records)
@@ -960,6 +1041,10 @@ class WriteBehindTier:
             with self._cond:
                 if cid in self._pending:
                     continue
+            if cid in state.inline:  # journaled with its bytes: carried the same way
+                self._restore_inline(cid, state.inline[cid])
+                carry.append((cid, size, t_ns))
+                continue
             try:
                 with open(os.path.join(self.staged_dir, cid.hex()), "rb") as f:
                     codec.verify(f.read())
@@ -983,7 +1068,8 @@ class WriteBehindTier:
             except FileNotFoundError:
                 pass
         if carry:
-            self.seg.add_pending(carry)
+            inline = {c: state.inline[c] for c, _, _ in carry if c in state.inline}
+            self.seg.add_pending(carry, inline)
         uploaded = [c for c in state.uploaded if c not in self._unregistered]
         if uploaded:
             self.seg.add_done(uploaded, KIND_UPLOADED)

@@ -17,10 +17,12 @@ import pytest
 
 from chunkstore import codec
 from chunkstore.writeback import (
+    INLINE_MAX,
     KIND_DONE,
     KIND_PENDING,
     REC_SIZE,
     GroupSync,
+    pack_inline,
     pack_record,
     parse_segment,
     read_segment,
@@ -101,6 +103,26 @@ def test_journal_torn_tail_and_corrupt_record_are_ignored():
     bad[-10] ^= 0xFF  # a flipped bit in the last record: checksum fails, record ignored
     st2 = parse_segment(bytes(bad))
     assert st2.torn and c not in st2.pending
+
+
+def test_journal_inline_records_carry_their_bytes_checksummed():
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    small = os.urandom(5000)
+    recs = pack_record(KIND_PENDING, a, 10, 1) + pack_inline(b, small, 2)
+    st = parse_segment(recs + pack_record(KIND_PENDING, c, 7, 3))
+    assert st.pending == {a: (10, 1), b: (5000, 2), c: (7, 3)} and not st.torn
+    assert st.inline == {b: small}
+    done = parse_segment(recs + pack_record(KIND_DONE, b, 0, 4))
+    assert done.pending == {a: (10, 1)} and done.inline == {} and b in done.done
+    torn = parse_segment(recs[:-100])  # cut inside the payload
+    assert torn.torn and torn.pending == {a: (10, 1)} and torn.inline == {}
+    bad = bytearray(recs)
+    bad[REC_SIZE + 40 + 1000] ^= 0x01  # one flipped payload bit: the record is not trusted
+    flipped = parse_segment(bytes(bad))
+    assert flipped.torn and b not in flipped.pending
+    huge = bytearray(pack_inline(c, b"x", 5))
+    huge[20:28] = (INLINE_MAX + 1).to_bytes(8, "little")  # a size no I record can have
+    assert parse_segment(bytes(huge)).torn
 
 
 def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path):
@@ -612,6 +634,82 @@ def test_kill9_before_sync_leaves_no_journal_reference(vol_path, tmp_path):
         assert _check_journals(staging) == 0
         assert vol.tier.stats()["pending_chunks"] == 0
         assert not [n for n in os.listdir(os.path.join(staging, "tmp")) if n.startswith("s")]
+    finally:
+        vol.close()
+
+
+SMALL_CHILD = r"""
+import sys, time
+from fusefs.volume import Volume
+vol = Volume.open(sys.argv[1])
+vol.attach_tier(sys.argv[2], size=64 * 2**20, idle_s=600)  # nothing uploads before the kill
+for i in range(6):
+    vol.write_file(f"/small{i}", bytes([i + 1]) * (3000 + 9000 * i))
+print("SAVED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_small_chunks_journaled_with_their_bytes_survive_lost_staged_files(vol_path, tmp_path):
+    """Small chunks are acknowledged by one journal fsync, their staged files never
+    fsync'd: after a crash that lost or damaged those files (as a power cut could), the
+    next tier rewrites them from the journal and uploads every one."""
+    staging = str(tmp_path / "staging")
+    p = subprocess.Popen(
+        [sys.executable, "-c", SMALL_CHILD, vol_path, staging],
+        stdout=subprocess.PIPE,
+        env=_env(),
+        text=True,
+    )
+    try:
+        assert p.stdout.readline().strip() == "SAVED"
+    finally:
+        p.kill()
+        p.wait()
+    jdir = os.path.join(staging, "journal")
+    (seg,) = [n for n in os.listdir(jdir) if n.endswith(".log")]
+    st = read_segment(os.path.join(jdir, seg))
+    assert len(st.inline) == len(st.pending) == 6  # every chunk journaled with its bytes
+    staged = os.path.join(staging, "staged")
+    for cid, payload in st.inline.items():
+        with open(os.path.join(staged, cid.hex()), "rb") as f:
+            assert f.read() == payload
+    lost = sorted(st.inline)
+    os.unlink(os.path.join(staged, lost[0].hex()))  # the rename never reached the disk
+    os.unlink(os.path.join(staged, lost[1].hex()))
+    with open(os.path.join(staged, lost[2].hex()), "r+b") as f:
+        f.truncate(100)  # the data never did
+    with Volume.open(vol_path) as vol:
+        tier = vol.attach_tier(staging, size=64 * MiB)
+        assert tier.stats()["pending_chunks"] == 6
+        for cid in lost[:3]:
+            with open(os.path.join(staged, cid.hex()), "rb") as f:
+                assert f.read() == st.inline[cid]
+        tier.flush(timeout=60)
+        assert tier.stats()["lost_chunks"] == 0
+        assert vol.stats()["staged_chunks"] == 0
+    with Volume.open(vol_path) as plain:  # from the nodes alone
+        for i in range(6):
+            assert plain.read_file(f"/small{i}") == bytes([i + 1]) * (3000 + 9000 * i)
+
+
+def test_compaction_keeps_the_bytes_of_inline_records(vol_path, tmp_path):
+    staging = str(tmp_path / "staging")
+    vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
+    try:
+        tier = vol.tier
+        chunks = [_raw_chunk(vol, 20_000, s) for s in range(4)]
+        for cid, raw in chunks:
+            tier.put(cid, codec.raw_parts([raw]), sync=False)
+        fsyncs = tier.seg.fsyncs
+        assert tier.sync_staged() == 4
+        assert tier.seg.fsyncs == fsyncs + 1
+        tier.seg.add_done([chunks[0][0]])  # one of them done: compaction drops it
+        tier.seg.compact(tier._staged_bytes)
+        st = read_segment(tier.seg.path)
+        assert set(st.pending) == set(st.inline) == {c for c, _ in chunks[1:]}
+        for cid, raw in chunks[1:]:
+            assert codec.decode(st.inline[cid]) == raw
     finally:
         vol.close()
 
