@@ -32,6 +32,48 @@ def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
 
 
 _SYNC_FILE_RANGE = _libc_sync_file_range()
+
+
+def _libc_renameat2() -> Callable[..., int] | None:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _libc_renameat2()
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1
+
+
+def rename_noreplace(src: str, dst: str) -> bool:
+    """Rename src to dst unless dst exists (then False, src untouched), atomically:
+    renameat2(RENAME_NOREPLACE), or link + unlink where the filesystem lacks it."""
+    if _RENAMEAT2 is not None:
+        import ctypes
+
+        if (
+            _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
+            == 0
+        ):
+            return True
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            return False
+        if err not in (errno.EINVAL, errno.ENOSYS):
+            raise OSError(err, os.strerror(err), dst)
+    try:
+        os.link(src, dst)
+    except FileExistsError:
+        return False
+    os.unlink(src)
+    return True
+
+
 _SYNC_FILE_RANGE_WRITE = 2
 
 

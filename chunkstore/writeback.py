@@ -4,7 +4,7 @@ Layout of a staging directory (one per host and volume, shared by every process 
 
     staged/<hex>        encoded chunk objects not yet known durable (never evicted)
     cache/<hex>         uploaded or fetched objects: the LRU read cache (chunkstore.cache)
-    journal/<seg>.log   one append-only journal segment per process (P = staged, D = done)
+    journal/<seg>.jnl   one append-only journal segment per process (P = staged, D = done)
     status/<seg>.json   what `ckptfs status` shows about that process (rate, queue)
     tmp/, locks/        writes in progress; single-flight lock stripes
 
@@ -52,7 +52,7 @@ import xxhash
 
 from chunkstore import codec
 from chunkstore.cache import ChunkCache, read_object, read_object_into
-from chunkstore.fileio import fsync_dir, write_new
+from chunkstore.fileio import fsync_dir, rename_noreplace, write_new
 from chunkstore.ids import chunk_id
 from chunkstore.node import NodeError
 from chunkstore.store import ChunkStore, ChunkStoreError
@@ -70,6 +70,11 @@ KIND_PENDING, KIND_UPLOADED, KIND_DONE = ord("P"), ord("U"), ord("D")
 KIND_INLINE = ord("I")  # pending, with the chunk's bytes after the header (size of them)
 INLINE_MAX = 64 * 1024  # chunks up to this size put unsynced are journaled with their bytes
 COMPACT_BYTES = 8 * 2**20  # rewrite a segment once it holds this many bytes of records
+# Segments may hold I records, which code before them would read as a torn tail, losing
+# every record after it: their name keeps such code away (it adopts only ".log", the
+# name of segments without them, which this code still adopts).
+SEGMENT_SUFFIX = ".jnl"
+SEGMENT_SUFFIXES = (SEGMENT_SUFFIX, ".log")
 
 
 def pack_record(kind: int, cid: bytes, size: int = 0, t_ns: int = 0) -> bytes:
@@ -178,8 +183,9 @@ class GroupSync:
 class Segment:
     """This process's journal segment: flock'd for its lifetime, appended with group fsync.
 
-    It tracks its own live (P or U without D) records, so compaction can rewrite exactly them
-    under the append lock without racing a concurrent writer."""
+    It tracks its own live (P, I or U without D) records, so compaction can rewrite exactly
+    them under the append lock without racing a concurrent writer; for I records it keeps
+    where they are, to copy their bytes from this file and from nowhere else."""
 
     def __init__(self, journal_dir: str, name: str) -> None:
         self.dir = journal_dir
@@ -191,6 +197,8 @@ class Segment:
         self._sync = GroupSync(lambda: os.fsync(self.fd))
         self._old_fds: list[int] = []
         self.live: dict[bytes, tuple[int, int, int]] = {}  # cid -> (kind, size, time_ns)
+        self._inline_at: dict[bytes, tuple[int, int]] = {}  # live I record: (offset, length)
+        self.live_bytes = 0  # what a compaction would write
         self.size = 0
 
     @staticmethod
@@ -199,7 +207,7 @@ class Segment:
         renamed into place. (Created in place, a tier starting at the same moment could see
         an unlocked segment, take it for a dead process's and adopt it.)"""
         tmp = f"{path}.{uuid.uuid4().hex[:8]}.init"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.rename(tmp, path)
@@ -220,20 +228,33 @@ class Segment:
         self.size += len(data)
         return self._sync
 
+    def _forget(self, cid: bytes) -> None:
+        """Drop a live record's accounting (under _lock)."""
+        old = self.live.pop(cid, None)
+        if old is not None:
+            at = self._inline_at.pop(cid, None)
+            self.live_bytes -= at[1] if at else REC_SIZE
+
     def add_pending(
         self, items: list[tuple[bytes, int, int]], inline: dict[bytes, bytes] | None = None
     ) -> None:
         """Journal (cid, size, time_ns) as staged, those in `inline` with their bytes (an
         I record: their staged files need not be durable); returns once on disk."""
         inline = inline or {}
-        data = b"".join(
+        recs = [
             pack_inline(c, inline[c], t) if c in inline else pack_record(KIND_PENDING, c, s, t)
             for c, s, t in items
-        )
+        ]
         with self._lock:
-            sync = self._append(data)
-            for c, s, t in items:
+            at = self.size
+            sync = self._append(b"".join(recs))
+            for (c, s, t), rec in zip(items, recs, strict=True):
+                self._forget(c)
                 self.live[c] = (KIND_INLINE if c in inline else KIND_PENDING, s, t)
+                if c in inline:
+                    self._inline_at[c] = (at, len(rec))
+                self.live_bytes += len(rec)
+                at += len(rec)
         sync.sync()
 
     def add_done(self, ids: list[bytes], kind: int = KIND_DONE) -> None:
@@ -243,33 +264,37 @@ class Segment:
         with self._lock:
             sync = self._append(data)
             for c in ids:
-                if kind == KIND_DONE:
-                    self.live.pop(c, None)
-                else:
+                self._forget(c)
+                if kind != KIND_DONE:
                     self.live[c] = (kind, 0, t_ns)
+                    self.live_bytes += REC_SIZE
         sync.sync()
 
-    def compact(self, payload: Callable[[bytes], bytes | None]) -> None:
+    def compact(self) -> None:
         """Replace the segment by its live records, atomically and keeping ownership: the new
         file is locked before it is renamed over the old one. Old fds stay open until close so
         a writer still waiting on the old file's fsync is unaffected (its record is in the new
-        file, which is fsync'd here). Live I records are written again with their bytes,
-        which `payload(cid)` reads back from the staged file (None: that file is gone, its
-        chunk uploaded by another process: a plain P record, as adoption expects)."""
+        file, which is fsync'd here). A live I record is copied from this file as it is, and
+        checked: its bytes are the only durable copy of its chunk."""
         with self._lock:
-            recs = []
-            for c, (k, s, t) in list(self.live.items()):
-                blob = payload(c) if k == KIND_INLINE else None
-                if blob is not None:
-                    recs.append(pack_inline(c, blob, t))
-                    continue
+            recs: list[bytes] = []
+            inline_at: dict[bytes, tuple[int, int]] = {}
+            at = 0
+            for c, (k, s, t) in self.live.items():
                 if k == KIND_INLINE:
-                    k = KIND_PENDING
-                    self.live[c] = (k, s, t)
-                recs.append(pack_record(k, c, s, t))
+                    off, n = self._inline_at[c]
+                    rec = os.pread(self.fd, n, off)
+                    if parse_segment(rec).inline.get(c) is None:
+                        raise OSError(errno.EIO, f"journal {self.path}: record of {c.hex()} at "
+                                      f"{off} no longer reads back")  # fmt: skip
+                    inline_at[c] = (at, n)
+                else:
+                    rec = pack_record(k, c, s, t)
+                recs.append(rec)
+                at += len(rec)
             data = b"".join(recs)
             tmp = self.path + ".new"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 view = memoryview(data)
@@ -283,12 +308,8 @@ class Segment:
                 raise
             self._old_fds.append(self.fd)
             self.fd, self.size = fd, len(data)
+            self._inline_at, self.live_bytes = inline_at, len(data)
             self._sync = GroupSync(lambda: os.fsync(fd))
-
-    def live_bytes(self) -> int:
-        """What a compaction would write (an estimate: I records carry their bytes)."""
-        with self._lock:
-            return sum(REC_SIZE + (s if k == KIND_INLINE else 0) for k, s, _ in self.live.values())
 
     def close(self, *, remove: bool) -> None:
         if remove:
@@ -327,6 +348,32 @@ def _dir_bytes(path: str) -> int:
     except FileNotFoundError:
         pass
     return total
+
+
+def _same_bytes(path: str, payload: bytes) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(payload) + 1) == payload
+    except FileNotFoundError:
+        return False
+
+
+def _settle_existing(tmp: str, dst: str, payload: bytes) -> bool:
+    """An inline chunk's temp file found `dst` taken. The same bytes: ours goes, our I
+    record covers theirs. Other bytes (garbage a power cut left of a file never
+    journaled, or another valid encoding): ours replaces it, made durable first, so a P
+    record of another process naming `dst` never names a file that is not on disk.
+    True when it replaced (the caller fsyncs the directory)."""
+    if _same_bytes(dst, payload):
+        os.unlink(tmp)
+        return False
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, dst)
+    return True
 
 
 class WriteBehindTier:
@@ -379,7 +426,7 @@ class WriteBehindTier:
         self.cache = ChunkCache(self.root, store.seed)
         self._dirsync = GroupSync(lambda: fsync_dir(self.staged_dir))
         name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.seg = Segment(self.journal_dir, name + ".log")
+        self.seg = Segment(self.journal_dir, name + SEGMENT_SUFFIX)
         self.status_path = os.path.join(self.status_dir, name + ".json")
         self.active_path = os.path.join(self.status_dir, ACTIVE_FILE)
 
@@ -541,13 +588,14 @@ class WriteBehindTier:
             elif paths:
                 with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
                     list(ex.map(fsync_one, paths))
+            replaced = False
             for cid, (tmp, _, payload) in batch:
                 dst = os.path.join(self.staged_dir, cid.hex())
-                if payload is not None and os.path.exists(dst):
-                    os.unlink(tmp)  # never replace a (maybe durable) staged copy by ours
-                else:
+                if payload is None:
                     os.rename(tmp, dst)
-            if paths:
+                elif not rename_noreplace(tmp, dst):
+                    replaced |= _settle_existing(tmp, dst, payload)
+            if paths or replaced:
                 fsync_dir(self.staged_dir)
             t_ns = time.time_ns()
             inline = {cid: payload for cid, (_, _, payload) in batch if payload is not None}
@@ -944,8 +992,8 @@ class WriteBehindTier:
                     if failing is not None:
                         log.info("write-behind housekeeping in %s works again", self.root)
                         failing = None
-                    if self.seg.size > COMPACT_BYTES > 4 * self.seg.live_bytes():
-                        self.seg.compact(self._staged_bytes)
+                    if self.seg.size > max(COMPACT_BYTES, 4 * self.seg.live_bytes):
+                        self.seg.compact()
                 if now - last_adopt >= 5.0:
                     last_adopt = now
                     self.adopt_orphans()
@@ -987,7 +1035,7 @@ class WriteBehindTier:
         """Take over the segments of dead processes; returns the chunks adopted."""
         adopted = 0
         for name in sorted(os.listdir(self.journal_dir)):
-            if not name.endswith(".log") or name == self.seg.name:
+            if not name.endswith(SEGMENT_SUFFIXES) or name == self.seg.name:
                 continue
             path = os.path.join(self.journal_dir, name)
             try:
@@ -1011,38 +1059,30 @@ class WriteBehindTier:
                 os.close(fd)
         return adopted
 
-    def _staged_bytes(self, cid: bytes) -> bytes | None:
-        """A staged object's bytes (for compaction to journal again), or None if gone."""
-        try:
-            with open(os.path.join(self.staged_dir, cid.hex()), "rb") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-
-    def _restore_inline(self, cid: bytes, payload: bytes) -> None:
+    def _restore_inline(self, cid: bytes, payload: bytes) -> bool:
         """An I record's chunk: put its staged file back from the record if a crash lost
-        or damaged it (the file was never fsync'd)."""
+        or damaged it (the file was never fsync'd), durably. True if it wrote one (the
+        caller fsyncs the directory)."""
         dst = os.path.join(self.staged_dir, cid.hex())
-        try:
-            with open(dst, "rb") as f:
-                if f.read() == payload:
-                    return
-        except FileNotFoundError:
-            pass
+        if _same_bytes(dst, payload):
+            return False
         tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        write_new(tmp, payload, sync=False, writeback=False)
-        os.rename(tmp, dst)
+        write_new(tmp, payload, sync=True)
+        if not rename_noreplace(tmp, dst):
+            _settle_existing(tmp, dst, payload)
+        return True
 
     def _adopt(self, name: str, path: str, state: SegmentState) -> int:
         if state.torn:
             log.info("journal %s: torn tail after %d records ignored", name, state.records)
         carry = []
+        restored = False
         for cid, (size, t_ns) in sorted(state.pending.items(), key=lambda kv: kv[1][1]):
             with self._cond:
                 if cid in self._pending:
                     continue
             if cid in state.inline:  # journaled with its bytes: carried the same way
-                self._restore_inline(cid, state.inline[cid])
+                restored |= self._restore_inline(cid, state.inline[cid])
                 carry.append((cid, size, t_ns))
                 continue
             try:
@@ -1067,6 +1107,8 @@ class WriteBehindTier:
                         os.unlink(src)
             except FileNotFoundError:
                 pass
+        if restored:
+            fsync_dir(self.staged_dir)
         if carry:
             inline = {c: state.inline[c] for c, _, _ in carry if c in state.inline}
             self.seg.add_pending(carry, inline)
@@ -1076,7 +1118,7 @@ class WriteBehindTier:
         os.unlink(path)
         fsync_dir(self.journal_dir)
         try:
-            os.unlink(os.path.join(self.status_dir, name[: -len(".log")] + ".json"))
+            os.unlink(os.path.join(self.status_dir, name[: -len(SEGMENT_SUFFIX)] + ".json"))
         except FileNotFoundError:
             pass
         with self._cond:
@@ -1237,7 +1279,7 @@ def scan_staging(root: str) -> dict:
     rate = 0.0
     if os.path.isdir(journal):
         for name in sorted(os.listdir(journal)):
-            if not name.endswith(".log"):
+            if not name.endswith(SEGMENT_SUFFIXES):
                 continue
             path = os.path.join(journal, name)
             try:

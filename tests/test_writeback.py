@@ -21,6 +21,7 @@ from chunkstore.writeback import (
     KIND_DONE,
     KIND_PENDING,
     REC_SIZE,
+    SEGMENT_SUFFIXES,
     GroupSync,
     pack_inline,
     pack_record,
@@ -60,7 +61,7 @@ def _check_journals(staging: str) -> int:
     pending = 0
     jdir = os.path.join(staging, "journal")
     for name in os.listdir(jdir):
-        if not name.endswith(".log"):
+        if not name.endswith(SEGMENT_SUFFIXES):
             continue
         st = read_segment(os.path.join(jdir, name))
         for cid, (size, _t) in st.pending.items():
@@ -283,7 +284,8 @@ def test_kill9_mid_upload_then_recovery_uploads_everything(vol_path, tmp_path):
         tier.flush(timeout=60)
         assert vol.stats()["staged_chunks"] == 0
         assert tier.stats()["lost_chunks"] == 0
-    assert [n for n in os.listdir(os.path.join(staging, "journal")) if n.endswith(".log")] == []
+    journal = os.listdir(os.path.join(staging, "journal"))
+    assert [n for n in journal if n.endswith(SEGMENT_SUFFIXES)] == []
     with Volume.open(vol_path) as plain:
         for i, d in enumerate(datas):
             assert plain.read_file(f"/f{i}") == d
@@ -667,7 +669,7 @@ def test_small_chunks_journaled_with_their_bytes_survive_lost_staged_files(vol_p
         p.kill()
         p.wait()
     jdir = os.path.join(staging, "journal")
-    (seg,) = [n for n in os.listdir(jdir) if n.endswith(".log")]
+    (seg,) = [n for n in os.listdir(jdir) if n.endswith(SEGMENT_SUFFIXES)]
     st = read_segment(os.path.join(jdir, seg))
     assert len(st.inline) == len(st.pending) == 6  # every chunk journaled with its bytes
     staged = os.path.join(staging, "staged")
@@ -693,7 +695,9 @@ def test_small_chunks_journaled_with_their_bytes_survive_lost_staged_files(vol_p
             assert plain.read_file(f"/small{i}") == bytes([i + 1]) * (3000 + 9000 * i)
 
 
-def test_compaction_keeps_the_bytes_of_inline_records(vol_path, tmp_path):
+def test_compaction_copies_inline_records_from_the_journal(vol_path, tmp_path):
+    """Compaction takes an I record's bytes from the segment itself, not from the staged
+    file (shared with other processes, never fsync'd)."""
     staging = str(tmp_path / "staging")
     vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
     try:
@@ -705,11 +709,64 @@ def test_compaction_keeps_the_bytes_of_inline_records(vol_path, tmp_path):
         assert tier.sync_staged() == 4
         assert tier.seg.fsyncs == fsyncs + 1
         tier.seg.add_done([chunks[0][0]])  # one of them done: compaction drops it
-        tier.seg.compact(tier._staged_bytes)
+        with open(os.path.join(staging, "staged", chunks[1][0].hex()), "r+b") as f:
+            f.truncate(10)  # a damaged staged file must not reach the new segment
+        tier.seg.compact()
+        tier.seg.compact()  # twice: the offsets of the rewritten segment hold too
         st = read_segment(tier.seg.path)
         assert set(st.pending) == set(st.inline) == {c for c, _ in chunks[1:]}
         for cid, raw in chunks[1:]:
             assert codec.decode(st.inline[cid]) == raw
+        assert tier.seg.live_bytes == os.path.getsize(tier.seg.path)
+    finally:
+        vol.close()
+
+
+def test_an_inline_chunk_replaces_garbage_under_its_name_durably(vol_path, tmp_path):
+    """A power cut between an unsynced rename into staged/ and its journal fsync can
+    leave garbage under a chunk's name that no record names; staging the same chunk
+    again replaces it, and the chunk reaches the nodes whole."""
+    staging = str(tmp_path / "staging")
+    vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
+    try:
+        tier = vol.tier
+        (cid, raw), (same, sraw) = _raw_chunk(vol, 30_000, 1), _raw_chunk(vol, 30_000, 2)
+        with open(os.path.join(staging, "staged", cid.hex()), "wb") as f:
+            f.write(b"\0" * 100)  # what the cut left
+        blob = b"".join(bytes(p) for p in codec.raw_parts([sraw]))
+        with open(os.path.join(staging, "staged", same.hex()), "wb") as f:
+            f.write(blob)  # the same bytes another writer left: kept as they are
+        ino = os.stat(os.path.join(staging, "staged", same.hex())).st_ino
+        tier.put(cid, codec.raw_parts([raw]), sync=False)
+        tier.put(same, codec.raw_parts([sraw]), sync=False)
+        assert tier.sync_staged() == 2
+        with open(os.path.join(staging, "staged", cid.hex()), "rb") as f:
+            assert codec.decode(f.read()) == raw
+        assert os.stat(os.path.join(staging, "staged", same.hex())).st_ino == ino
+        assert _check_journals(staging) == 2
+        tier.flush(timeout=60)
+        assert tier.stats()["lost_chunks"] == 0
+        assert vol.store.get(cid) == raw and vol.store.get(same) == sraw
+    finally:
+        vol.close()
+
+
+def test_a_segment_of_the_previous_format_is_adopted(vol_path, tmp_path):
+    """Segments named .log (no I records) from before are still adopted."""
+    staging = str(tmp_path / "staging")
+    vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
+    cid, raw = _raw_chunk(vol, 200_000, 3)
+    vol.close()
+    blob = codec.encode(raw, "none")
+    with open(os.path.join(staging, "staged", cid.hex()), "wb") as f:
+        f.write(blob)
+    with open(os.path.join(staging, "journal", "oldhost-1-abc.log"), "wb") as f:
+        f.write(pack_record(KIND_PENDING, cid, len(blob), time.time_ns()))
+    vol = _open(vol_path, staging, size=64 * MiB)
+    try:
+        assert vol.tier.stats()["pending_chunks"] == 1
+        vol.tier.flush(timeout=60)
+        assert vol.store.get(cid) == raw
     finally:
         vol.close()
 
