@@ -1007,8 +1007,9 @@ class WriteBehindTier:
                 log.exception("write-behind housekeeping failed")
 
     def _rescan(self) -> None:
-        """Resync the space estimate with the directory (other processes stage and evict too)."""
-        used = _dir_bytes(self.staged_dir) + self.cache.usage()
+        """Resync the space estimate with the directory (other processes stage and evict too).
+        The journals count: their I records hold a second copy of small staged chunks."""
+        used = _dir_bytes(self.staged_dir) + self.cache.usage() + _dir_bytes(self.journal_dir)
         with self._cond:
             new = used + self._reserved
             if new < self._used:
