@@ -52,7 +52,8 @@ _AT_FDCWD, _RENAME_NOREPLACE = -100, 1
 
 def rename_noreplace(src: str, dst: str) -> bool:
     """Rename src to dst unless dst exists (then False, src untouched), atomically:
-    renameat2(RENAME_NOREPLACE), or link + unlink where the filesystem lacks it."""
+    renameat2(RENAME_NOREPLACE), or link + unlink where the filesystem lacks it (and a
+    check before a rename where it has neither)."""
     if _RENAMEAT2 is not None:
         import ctypes
 
@@ -70,6 +71,13 @@ def rename_noreplace(src: str, dst: str) -> bool:
         os.link(src, dst)
     except FileExistsError:
         return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+        if os.path.lexists(dst):  # no hard links either: check, then rename (a race
+            return False  # with another writer of the same name is then possible)
+        os.rename(src, dst)
+        return True
     os.unlink(src)
     return True
 

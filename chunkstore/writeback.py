@@ -69,6 +69,7 @@ ACTIVE_FILE = "foreground"  # status/foreground: mtime = last foreground put on 
 KIND_PENDING, KIND_UPLOADED, KIND_DONE = ord("P"), ord("U"), ord("D")
 KIND_INLINE = ord("I")  # pending, with the chunk's bytes after the header (size of them)
 INLINE_MAX = 64 * 1024  # chunks up to this size put unsynced are journaled with their bytes
+INLINE_HELD_MAX = 32 * 2**20  # bytes of them held in memory until sync_staged; then fsync
 COMPACT_BYTES = 8 * 2**20  # rewrite a segment once it holds this many bytes of records
 # Segments may hold I records, which code before them would read as a torn tail, losing
 # every record after it: their name keeps such code away (it adopts only ".log", the
@@ -222,9 +223,16 @@ class Segment:
         return self._sync.fsyncs
 
     def _append(self, data: bytes) -> GroupSync:
+        """Append whole records (under _lock). A failed write (a full disk) is cut off
+        again: a fragment left in the file would hide every later record from a replay,
+        and put the offsets of I records out of step."""
         view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view) :]
+        try:
+            while view:
+                view = view[os.write(self.fd, view) :]
+        except BaseException:
+            os.ftruncate(self.fd, self.size)
+            raise
         self.size += len(data)
         return self._sync
 
@@ -302,14 +310,16 @@ class Segment:
                     view = view[os.write(fd, view) :]
                 os.fsync(fd)
                 os.rename(tmp, self.path)
-                fsync_dir(self.dir)
             except BaseException:
                 os.close(fd)
                 raise
+            # Renamed: the new file is the segment now, whatever happens next (closing it
+            # would free its lock for another tier to adopt while we went on appending).
             self._old_fds.append(self.fd)
             self.fd, self.size = fd, len(data)
             self._inline_at, self.live_bytes = inline_at, len(data)
             self._sync = GroupSync(lambda: os.fsync(fd))
+            fsync_dir(self.dir)
 
     def close(self, *, remove: bool) -> None:
         if remove:
@@ -442,6 +452,7 @@ class WriteBehindTier:
         # written to tmp/ without fsync (put(sync=False)): acknowledged by sync_staged();
         # (temp path, size, the object's bytes when it is small enough to journal inline)
         self._unsynced: dict[bytes, tuple[str, int, bytes | None]] = {}
+        self._inline_held = 0  # bytes of those payloads
         self._hints: dict[bytes, int | None] = {}  # float width hint for transcode
         self._stored_lens: dict[bytes, int] = {}  # transcoded on upload: size on the nodes
         self._sync_lock = threading.Lock()
@@ -542,18 +553,27 @@ class WriteBehindTier:
                     return STAGED
         parts = [memoryview(p).cast("B") for p in (blob if isinstance(blob, list) else [blob])]
         n = sum(p.nbytes for p in parts)
-        payload = b"".join(parts) if n <= INLINE_MAX else None  # journaled with its bytes
+        with self._cond:  # journaled with its bytes, while the held bytes stay bounded
+            inline = n <= INLINE_MAX and self._inline_held + n <= INLINE_HELD_MAX
+            if inline:
+                self._inline_held += n
+        payload = b"".join(parts) if inline else None
         self._reserve(n)
         tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
             write_new(tmp, parts, sync=False, writeback=payload is None)
         except OSError as e:
             self._write_failed(cid, n, e)
+            if payload is not None:
+                with self._cond:
+                    self._inline_held -= n
             raise
         with self._cond:
             if cid in self._unsynced or cid in self._pending:  # lost a race: keep the first
                 self._reserved -= n
                 self._used -= n
+                if payload is not None:
+                    self._inline_held -= n
                 os.unlink(tmp)
                 return STAGED
             self._unsynced[cid] = (tmp, n, payload)
@@ -601,9 +621,11 @@ class WriteBehindTier:
             inline = {cid: payload for cid, (_, _, payload) in batch if payload is not None}
             self.seg.add_pending([(cid, n, t_ns) for cid, (_, n, _) in batch], inline)
             with self._cond:
-                for cid, (_, n, _) in batch:
+                for cid, (_, n, payload) in batch:
                     self._unsynced.pop(cid, None)
                     self._now_pending(cid, n, t_ns)
+                    if payload is not None:
+                        self._inline_held -= n
                 self._cond.notify_all()
             self._foreground()
             return len(batch)
@@ -612,10 +634,12 @@ class WriteBehindTier:
         """Drop chunks put with sync=False and never acknowledged (their save failed)."""
         with self._sync_lock, self._cond:
             batch, self._unsynced = self._unsynced, {}
-            for cid, (tmp, n, _) in batch.items():
+            for cid, (tmp, n, payload) in batch.items():
                 self._hints.pop(cid, None)
                 self._reserved -= n
                 self._used -= n
+                if payload is not None:
+                    self._inline_held -= n
                 try:
                     os.unlink(tmp)
                 except OSError:
@@ -979,7 +1003,7 @@ class WriteBehindTier:
 
     # -- housekeeping -------------------------------------------------------------------------
     def _housekeep(self) -> None:
-        last_status = last_adopt = 0.0
+        last_status = last_adopt = compact_after = 0.0
         failing: str | None = None  # the OSError last reported, until a status write succeeds
         while not self._stop.wait(0.1):
             try:
@@ -992,8 +1016,13 @@ class WriteBehindTier:
                     if failing is not None:
                         log.info("write-behind housekeeping in %s works again", self.root)
                         failing = None
-                    if self.seg.size > max(COMPACT_BYTES, 4 * self.seg.live_bytes):
-                        self.seg.compact()
+                    big = self.seg.size > max(COMPACT_BYTES, 4 * self.seg.live_bytes)
+                    if big and now >= compact_after:
+                        try:
+                            self.seg.compact()
+                        except OSError as e:  # retried in a minute, not every second
+                            compact_after = now + 60.0
+                            log.error("compacting journal %s: %s", self.seg.path, e)
                 if now - last_adopt >= 5.0:
                     last_adopt = now
                     self.adopt_orphans()

@@ -722,6 +722,36 @@ def test_compaction_copies_inline_records_from_the_journal(vol_path, tmp_path):
         vol.close()
 
 
+def test_a_journal_write_cut_short_by_a_full_disk_leaves_no_fragment(tmp_path, monkeypatch):
+    """A partial append is cut off again: a fragment would hide every later record from a
+    replay and shift the offsets compaction copies I records from."""
+    import chunkstore.writeback as wb
+
+    seg = wb.Segment(str(tmp_path), "host-1-x.jnl")
+    a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
+    seg.add_pending([(a, 5000, 1)], {a: os.urandom(5000)})
+    real_write = os.write
+    calls = []
+
+    def short_then_full(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(wb.os, "write", short_then_full)
+    with pytest.raises(OSError):
+        seg.add_pending([(b, 6000, 2)], {b: os.urandom(6000)})
+    monkeypatch.setattr(wb.os, "write", real_write)
+    payload = os.urandom(7000)
+    seg.add_pending([(c, 7000, 3)], {c: payload})
+    st = read_segment(seg.path)
+    assert not st.torn and set(st.pending) == {a, c} and st.inline[c] == payload
+    seg.compact()
+    assert read_segment(seg.path).inline[c] == payload
+    seg.close(remove=True)
+
+
 def test_an_inline_chunk_replaces_garbage_under_its_name_durably(vol_path, tmp_path):
     """A power cut between an unsynced rename into staged/ and its journal fsync can
     leave garbage under a chunk's name that no record names; staging the same chunk
