@@ -617,20 +617,22 @@ time.sleep(60)
 """
 
 
-def test_kill9_before_sync_leaves_no_journal_reference(vol_path, tmp_path):
-    staging = str(tmp_path / "staging")
+def _kill9_once(script: str, ready: str, *args: str) -> None:
+    """Run a writer process until it prints `ready`, then SIGKILL it."""
     p = subprocess.Popen(
-        [sys.executable, "-c", UNSYNCED_CHILD, vol_path, staging],
-        stdout=subprocess.PIPE,
-        env=_env(),
-        text=True,
+        [sys.executable, "-c", script, *args], stdout=subprocess.PIPE, env=_env(), text=True
     )
     try:
-        assert p.stdout.readline().strip() == "ready"
-        assert len(os.listdir(os.path.join(staging, "tmp"))) >= 3
+        assert p.stdout.readline().strip() == ready
     finally:
         p.kill()
         p.wait()
+
+
+def test_kill9_before_sync_leaves_no_journal_reference(vol_path, tmp_path):
+    staging = str(tmp_path / "staging")
+    _kill9_once(UNSYNCED_CHILD, "ready", vol_path, staging)
+    assert len(os.listdir(os.path.join(staging, "tmp"))) >= 3
     vol = _open(vol_path, staging, size=64 * MiB)
     try:  # the next tier on the host: nothing to adopt, the dead writer's temp files gone
         assert _check_journals(staging) == 0
@@ -657,17 +659,7 @@ def test_small_chunks_journaled_with_their_bytes_survive_lost_staged_files(vol_p
     fsync'd: after a crash that lost or damaged those files (as a power cut could), the
     next tier rewrites them from the journal and uploads every one."""
     staging = str(tmp_path / "staging")
-    p = subprocess.Popen(
-        [sys.executable, "-c", SMALL_CHILD, vol_path, staging],
-        stdout=subprocess.PIPE,
-        env=_env(),
-        text=True,
-    )
-    try:
-        assert p.stdout.readline().strip() == "SAVED"
-    finally:
-        p.kill()
-        p.wait()
+    _kill9_once(SMALL_CHILD, "SAVED", vol_path, staging)
     jdir = os.path.join(staging, "journal")
     (seg,) = [n for n in os.listdir(jdir) if n.endswith(SEGMENT_SUFFIXES)]
     st = read_segment(os.path.join(jdir, seg))
