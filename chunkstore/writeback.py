@@ -377,13 +377,17 @@ def _settle_existing(tmp: str, dst: str, payload: bytes) -> bool:
     if _same_bytes(dst, payload):
         os.unlink(tmp)
         return False
-    fd = os.open(tmp, os.O_RDONLY)
+    _fdatasync_path(tmp)
+    os.rename(tmp, dst)
+    return True
+
+
+def _fdatasync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fdatasync(fd)
     finally:
         os.close(fd)
-    os.rename(tmp, dst)
-    return True
 
 
 class WriteBehindTier:
@@ -553,12 +557,12 @@ class WriteBehindTier:
                     return STAGED
         parts = [memoryview(p).cast("B") for p in (blob if isinstance(blob, list) else [blob])]
         n = sum(p.nbytes for p in parts)
+        self._reserve(n)
         with self._cond:  # journaled with its bytes, while the held bytes stay bounded
             inline = n <= INLINE_MAX and self._inline_held + n <= INLINE_HELD_MAX
             if inline:
                 self._inline_held += n
         payload = b"".join(parts) if inline else None
-        self._reserve(n)
         tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
         try:
             write_new(tmp, parts, sync=False, writeback=payload is None)
@@ -595,19 +599,12 @@ class WriteBehindTier:
             self._foreground()  # the fsyncs are foreground work too: uploaders keep off
             from concurrent.futures import ThreadPoolExecutor
 
-            def fsync_one(path: str) -> None:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-
             paths = [tmp for _, (tmp, _, payload) in batch if payload is None]
             if len(paths) == 1:  # one big chunk: no pool to start for one fsync
-                fsync_one(paths[0])
+                _fdatasync_path(paths[0])
             elif paths:
                 with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
-                    list(ex.map(fsync_one, paths))
+                    list(ex.map(_fdatasync_path, paths))
             replaced = False
             for cid, (tmp, _, payload) in batch:
                 dst = os.path.join(self.staged_dir, cid.hex())
