@@ -897,7 +897,10 @@ class WriteBehindTier:
                     log.error("staged chunk %s is corrupt, cannot upload: %s", cid.hex(), e)
                     with self._cond:
                         self.lost += 1
-                    return True  # nothing good to upload; never acknowledged as durable
+                    # Nothing good to upload. Marked done all the same: as durable, the chunk
+                    # has no replica, which fsck reports as lost; left staged, fsck would
+                    # take it for an upload in flight and say nothing.
+                    return True
             try:
                 t0 = time.monotonic()
                 self.store.put_encoded(cid, blob)
