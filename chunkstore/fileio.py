@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -19,34 +20,40 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+def fdatasync_path(path: str) -> None:
+    """fdatasync a file by name: makes its data (and size) durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        import ctypes
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """os.write until every byte is written (a short write is not an error)."""
+    view = memoryview(data).cast("B")
+    while view:
+        done = os.write(fd, view)
+        if done == 0:
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[done:]
+
+
+def _libc(name: str, argtypes: list) -> Callable[..., int] | None:
+    """A libc function through ctypes (errno kept), or None where libc lacks it."""
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_SYNC_FILE_RANGE = _libc_sync_file_range()
-
-
-def _libc_renameat2() -> Callable[..., int] | None:
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_RENAMEAT2 = _libc_renameat2()
+_SYNC_FILE_RANGE = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                             ctypes.c_uint])  # fmt: skip
+_RENAMEAT2 = _libc("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                                 ctypes.c_uint])  # fmt: skip
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1
 
 
@@ -55,12 +62,8 @@ def rename_noreplace(src: str, dst: str) -> bool:
     renameat2(RENAME_NOREPLACE), or link + unlink where the filesystem lacks it (and a
     check before a rename where it has neither)."""
     if _RENAMEAT2 is not None:
-        import ctypes
-
-        if (
-            _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
-            == 0
-        ):
+        flags = _RENAME_NOREPLACE
+        if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
             return True
         err = ctypes.get_errno()
         if err == errno.EEXIST:
@@ -141,11 +144,7 @@ def _open_new(path: str, direct: bool = True) -> tuple[int, bool]:
 
 def _write_buffered(fd: int, parts: list[memoryview]) -> None:
     for p in parts:
-        while p:
-            done = os.write(fd, p)
-            if done == 0:
-                raise OSError(errno.EIO, "write made no progress")
-            p = p[done:]
+        write_all(fd, p)
 
 
 def _write_direct(fd: int, parts: list[memoryview], total: int) -> None:

@@ -52,7 +52,13 @@ import xxhash
 
 from chunkstore import codec
 from chunkstore.cache import ChunkCache, read_object, read_object_into
-from chunkstore.fileio import fsync_dir, rename_noreplace, write_new
+from chunkstore.fileio import (
+    fdatasync_path,
+    fsync_dir,
+    rename_noreplace,
+    write_all,
+    write_new,
+)
 from chunkstore.ids import chunk_id
 from chunkstore.node import NodeError
 from chunkstore.store import ChunkStore, ChunkStoreError
@@ -78,15 +84,14 @@ SEGMENT_SUFFIX = ".jnl"
 SEGMENT_SUFFIXES = (SEGMENT_SUFFIX, ".log")
 
 
-def pack_record(kind: int, cid: bytes, size: int = 0, t_ns: int = 0) -> bytes:
-    body = _REC.pack(kind, cid, size, t_ns)
+def pack_record(kind: int, cid: bytes, size: int = 0, t_ns: int = 0, payload: bytes = b"") -> bytes:
+    body = _REC.pack(kind, cid, size, t_ns) + payload
     return body + _CRC.pack(xxhash.xxh32_intdigest(body))
 
 
 def pack_inline(cid: bytes, payload: bytes, t_ns: int) -> bytes:
     """An I record: a P record that carries the staged object itself, checksummed whole."""
-    body = _REC.pack(KIND_INLINE, cid, len(payload), t_ns) + payload
-    return body + _CRC.pack(xxhash.xxh32_intdigest(body))
+    return pack_record(KIND_INLINE, cid, len(payload), t_ns, payload)
 
 
 @dataclass
@@ -226,10 +231,8 @@ class Segment:
         """Append whole records (under _lock). A failed write (a full disk) is cut off
         again: a fragment left in the file would hide every later record from a replay,
         and put the offsets of I records out of step."""
-        view = memoryview(data)
         try:
-            while view:
-                view = view[os.write(self.fd, view) :]
+            write_all(self.fd, data)
         except BaseException:
             os.ftruncate(self.fd, self.size)
             raise
@@ -305,9 +308,7 @@ class Segment:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, data)
                 os.fsync(fd)
                 os.rename(tmp, self.path)
             except BaseException:
@@ -368,26 +369,21 @@ def _same_bytes(path: str, payload: bytes) -> bool:
         return False
 
 
-def _settle_existing(tmp: str, dst: str, payload: bytes) -> bool:
-    """An inline chunk's temp file found `dst` taken. The same bytes: ours goes, our I
-    record covers theirs. Other bytes (garbage a power cut left of a file never
-    journaled, or another valid encoding): ours replaces it, made durable first, so a P
-    record of another process naming `dst` never names a file that is not on disk.
-    True when it replaced (the caller fsyncs the directory)."""
+def _place_inline(tmp: str, dst: str, payload: bytes) -> bool:
+    """Put an inline chunk's temp file in place as `dst`, never over a file already there.
+    If one is: the same bytes stay (our I record covers them) and ours goes; other bytes
+    (garbage a power cut left of a file never journaled, or another valid encoding) are
+    replaced by ours, made durable first, so a P record of another process naming `dst`
+    never names a file that is not on disk. True when it replaced one (the caller fsyncs
+    the directory)."""
+    if rename_noreplace(tmp, dst):
+        return False
     if _same_bytes(dst, payload):
         os.unlink(tmp)
         return False
-    _fdatasync_path(tmp)
+    fdatasync_path(tmp)
     os.rename(tmp, dst)
     return True
-
-
-def _fdatasync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
 
 
 class WriteBehindTier:
@@ -601,17 +597,17 @@ class WriteBehindTier:
 
             paths = [tmp for _, (tmp, _, payload) in batch if payload is None]
             if len(paths) == 1:  # one big chunk: no pool to start for one fsync
-                _fdatasync_path(paths[0])
+                fdatasync_path(paths[0])
             elif paths:
                 with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
-                    list(ex.map(_fdatasync_path, paths))
+                    list(ex.map(fdatasync_path, paths))
             replaced = False
             for cid, (tmp, _, payload) in batch:
                 dst = os.path.join(self.staged_dir, cid.hex())
                 if payload is None:
                     os.rename(tmp, dst)
-                elif not rename_noreplace(tmp, dst):
-                    replaced |= _settle_existing(tmp, dst, payload)
+                else:
+                    replaced |= _place_inline(tmp, dst, payload)
             if paths or replaced:
                 fsync_dir(self.staged_dir)
             t_ns = time.time_ns()
@@ -1098,8 +1094,7 @@ class WriteBehindTier:
             return False
         tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
         write_new(tmp, payload, sync=True)
-        if not rename_noreplace(tmp, dst):
-            _settle_existing(tmp, dst, payload)
+        _place_inline(tmp, dst, payload)
         return True
 
     def _adopt(self, name: str, path: str, state: SegmentState) -> int:

@@ -147,9 +147,6 @@ class TlsSocket:
     def settimeout(self, value: float | None) -> None:
         self._sock.settimeout(value)
 
-    def setsockopt(self, *args) -> None:
-        self._sock.setsockopt(*args)
-
     def shutdown(self, how: int) -> None:
         self._sock.shutdown(how)
 
