@@ -140,6 +140,12 @@ class BufferPool:
 
 SMALL_BLOCK = 256 * 1024  # below this a block grows on demand; above, it takes a pooled buffer
 PIECE_MIN = 64 * 1024  # smaller appends are copied: many tiny pieces cost more than a copy
+# Pieces a block may have before it is copied into one buffer. A 1 MiB write() from a buffer
+# that is not page aligned reaches us as two requests (the kernel pins at most 256 pages a
+# request): 1 MiB less the misalignment, then the rest, a few bytes. Copying such a tail as a
+# piece of its own keeps the block's big pieces uncopied; materializing the block there cost
+# a 4 MiB copy per block.
+PIECES_MAX = 64
 
 
 class Pieces:
@@ -209,12 +215,14 @@ class DirtyBlock:
         """Record data at off. `stable`: data views an immutable object, safe to keep."""
         end = off + len(data)
         buf = self.buf
-        if stable and len(data) >= PIECE_MIN and off == len(buf):
-            if isinstance(buf, Pieces):
-                buf.append(memoryview(data))
+        big = stable and len(data) >= PIECE_MIN
+        if off == len(buf):
+            if isinstance(buf, Pieces) and len(buf.parts) < PIECES_MAX:
+                # a small append is copied, but the pieces before it stay as they are
+                buf.append(memoryview(data) if big else memoryview(bytes(data)))
                 self._add_span(off, end)
                 return
-            if off == 0:
+            if big and off == 0:
                 self.buf = Pieces([memoryview(data)])
                 self._add_span(off, end)
                 return

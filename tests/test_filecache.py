@@ -1,0 +1,71 @@
+"""Dirty blocks of the mount's file cache: what a block keeps and what it copies."""
+
+from __future__ import annotations
+
+import os
+
+from fusefs.filecache import PIECE_MIN, PIECES_MAX, BufferPool, DirtyBlock, Pieces, _parts
+
+KiB = 1024
+BLOCK = 4 * KiB * KiB
+
+
+def _content(blk: DirtyBlock) -> bytes:
+    return (
+        b"".join(bytes(p) for p in _parts(blk.buf))
+        if isinstance(blk.buf, Pieces)
+        else bytes(blk.buf)
+    )
+
+
+def test_unaligned_writers_split_requests_keep_big_pieces_uncopied():
+    """A 1 MiB write() from a buffer 48 bytes past a page arrives as 1 MiB - 48 and 48
+    bytes: the big requests stay views, the tails are copied as pieces of their own."""
+    blk = DirtyBlock(1, 0, BufferPool(BLOCK, 2))
+    want = bytearray()
+    reqs = []
+    for _ in range(4):
+        big = os.urandom(KiB * KiB - 48)
+        reqs.append(big)
+        for part in (big, os.urandom(48)):
+            blk.write(len(want), memoryview(part), stable=True)
+            want += part
+    assert isinstance(blk.buf, Pieces)
+    assert len(blk.buf.parts) == 8
+    assert _content(blk) == want and blk.covers(BLOCK)
+    big_views = [p for p in blk.buf.parts if len(p) > 48]
+    assert [p.obj for p in big_views] == reqs  # views of the requests, not copies
+
+
+def test_small_appends_past_the_piece_limit_and_overwrites_materialize():
+    blk = DirtyBlock(1, 0, BufferPool(BLOCK, 2))
+    want = bytearray(os.urandom(PIECE_MIN))
+    blk.write(0, memoryview(bytes(want)), stable=True)
+    for _ in range(PIECES_MAX + 5):  # 4 KiB appends: pieces, then one buffer
+        more = os.urandom(4 * KiB)
+        blk.write(len(want), memoryview(more), stable=True)
+        want += more
+    assert not isinstance(blk.buf, Pieces)
+    assert _content(blk)[: len(want)] == want
+    blk2 = DirtyBlock(1, 0, BufferPool(BLOCK, 2))
+    first = os.urandom(PIECE_MIN * 2)
+    blk2.write(0, memoryview(first), stable=True)
+    blk2.write(len(first), memoryview(b"tail"), stable=False)
+    blk2.write(10, memoryview(b"XYZ"), stable=True)  # not an append: one buffer from here
+    assert not isinstance(blk2.buf, Pieces)
+    exp = bytearray(first + b"tail")
+    exp[10:13] = b"XYZ"
+    assert _content(blk2)[: len(exp)] == exp
+    assert blk2.spans == [[0, len(exp)]]
+
+
+def test_a_copied_tail_does_not_alias_a_reused_buffer():
+    """An unstable (caller-owned) small append is copied: changing the caller's buffer
+    afterwards changes nothing in the block."""
+    blk = DirtyBlock(1, 0, BufferPool(BLOCK, 2))
+    head = os.urandom(PIECE_MIN)
+    blk.write(0, memoryview(head), stable=True)
+    scratch = bytearray(b"abcdefgh")
+    blk.write(len(head), memoryview(scratch), stable=False)
+    scratch[:] = b"ZZZZZZZZ"
+    assert _content(blk) == head + b"abcdefgh"
