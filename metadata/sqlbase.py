@@ -625,6 +625,11 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     "UPDATE dentries SET ino = ? WHERE parent = ? AND name = ?",
                     (src.ino, new_parent, new_name),
                 )
+                # both inodes changed names: their ctime moves, as a rename's source does
+                now = _now()
+                self._x(
+                    c, "UPDATE inodes SET ctime = ? WHERE ino IN (?, ?)", (now, src.ino, dst.ino)
+                )
                 if src.is_dir != dst.is_dir and parent != new_parent:
                     d = 1 if src.is_dir else -1
                     self._touch_dir(c, parent, -d)

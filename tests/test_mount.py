@@ -161,9 +161,14 @@ def test_rename_variants(mounted):
     at = -100  # AT_FDCWD
     r = renameat2(at, mounted.path("c").encode(), at, mounted.path("b").encode(), 1)
     assert r == -1 and ctypes.get_errno() == errno.EEXIST  # RENAME_NOREPLACE
+    before = {n: os.stat(mounted.path(n)).st_ctime_ns for n in "bc"}
+    time.sleep(0.02)
     r = renameat2(at, mounted.path("c").encode(), at, mounted.path("b").encode(), 2)
     assert r == 0  # RENAME_EXCHANGE
     assert _read(mounted.path("b")) == b"C" and _read(mounted.path("c")) == b"A"
+    time.sleep(1.2)  # past the kernel's attribute cache: what the metadata says
+    after = {n: os.stat(mounted.path(n)).st_ctime_ns for n in "bc"}
+    assert after["b"] > before["c"] and after["c"] > before["b"]  # both inodes' ctime moved
     os.makedirs(mounted.path("d1", "sub"))
     os.rename(mounted.path("d1"), mounted.path("d2"))
     assert os.listdir(mounted.path("d2")) == ["sub"]
