@@ -510,12 +510,15 @@ class FileCache:
                 raise FileError(errno.EIO, f"block {blk.index} of inode {st.ino} kept changing")
         except BaseException:
             blk.busy = False
+            self._changed.unpark_all()  # a settle waiting for this block seals it itself
             raise
         if st.blocks.get(blk.index) is not blk:  # discarded meanwhile
+            self._changed.unpark_all()
             return
         length = min(self.block, st.size - lo)
         self._forget_block(st, blk.index, blk)
         if length <= 0:
+            self._changed.unpark_all()
             return
         buf = blk.buf
         data: memoryview | Pieces
@@ -609,11 +612,16 @@ class FileCache:
         return self.vol.meta.commit_file(ino, extents, size, chunks, mtime_ns=mtime_ns)
 
     async def settle(self, st: FileState) -> None:
-        """Seal every dirty block of the file and wait until all are stored."""
+        """Seal every dirty block of the file and wait until all are stored.
+
+        A block that another task is sealing (`busy`: its gaps being read from the old
+        content) is waited for as well: it is in neither `st.sealing` nor the blocks this
+        call can seal yet. A commit that went on without it published the file without that
+        block's writes, and marked them committed: an fsync'd write was lost."""
         for _ in range(8):
             for blk in list(st.blocks.values()):
                 await self.seal(st, blk)
-            while st.sealing:
+            while st.sealing or any(blk.busy for blk in st.blocks.values()):
                 await self._changed.park()
             if not st.blocks:
                 return
@@ -637,6 +645,9 @@ class FileCache:
             if not st.dirty:
                 return
             version, size, pending = st.version, st.size, st.pending
+            # Writers racing this commit may have left blocks that settle did not wait for:
+            # their writes are not in these extents, so the file stays dirty for the next one.
+            complete = not st.blocks and not st.sealing
             extents = clip(st.extents, size)
             chunks = dict(st.new_chunks)
             attr = await self.meta(
@@ -645,7 +656,8 @@ class FileCache:
             for cid in chunks:
                 st.new_chunks.pop(cid, None)
             st.attr = attr
-            st.committed = version
+            if complete:
+                st.committed = version
             st.pending -= pending
         finally:
             lock.release()

@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import os
 
-from fusefs.filecache import PIECE_MIN, PIECES_MAX, BufferPool, DirtyBlock, Pieces, _parts
+import trio
+import trio.testing
+
+from fusefs.filecache import (
+    PIECE_MIN,
+    PIECES_MAX,
+    BufferPool,
+    DirtyBlock,
+    FileCache,
+    Pieces,
+    _parts,
+)
+from fusefs.volume import Volume
 
 KiB = 1024
 BLOCK = 4 * KiB * KiB
@@ -69,3 +81,35 @@ def test_a_copied_tail_does_not_alias_a_reused_buffer():
     blk.write(len(head), memoryview(scratch), stable=False)
     scratch[:] = b"ZZZZZZZZ"
     assert _content(blk) == head + b"abcdefgh"
+
+
+def test_a_commit_waits_for_a_block_that_another_task_is_sealing(tmp_path):
+    """An fsync while an eviction seals the file's partly written block (reading its gaps
+    from the old content) must publish that block's writes. It used to go on without the
+    block and mark its writes committed, so the next close published nothing: the fsync'd
+    write was lost."""
+    MiB = KiB * KiB
+    vol = Volume.create(str(tmp_path / "vol"))
+    try:
+        old = os.urandom(4 * MiB)
+        patch = os.urandom(MiB)
+        attr = vol.write_file("/f", old)
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                cache = FileCache(vol, nursery)
+                st = await cache.open_state(attr)
+                await cache.write(st, MiB, patch)  # block 0, partly written
+                blk = st.blocks[0]
+                nursery.start_soon(cache.seal, st, blk)  # as an eviction does
+                await trio.testing.wait_all_tasks_blocked()
+                assert blk.busy and not st.sealing  # reading its gaps
+                await cache.commit(st)  # the fsync
+                assert not st.dirty and not st.blocks
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        want = old[:MiB] + patch + old[2 * MiB :]
+        assert vol.read_file("/f") == want
+    finally:
+        vol.close()
