@@ -333,14 +333,26 @@ class FileState:
     error: Exception | None = None
     opens: int = 0
     mtime_ns: int = 0
-    pending: int = 0  # bytes written since the last commit (st_blocks of unflushed data)
     read_end: int = -1
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
     _starts: list[int] | None = None
+    _stored: int | None = None  # bytes the extents map (what a commit records as alloc)
 
     @property
     def dirty(self) -> bool:
         return self.version != self.committed
+
+    def allocated(self) -> int:
+        """Bytes holding data, unflushed writes included: st_blocks of a dirty file.
+
+        The extents' bytes plus the written spans of dirty and sealing blocks. A block that
+        rewrites stored bytes counts twice, so this overstates by at most the dirty bytes,
+        where counting every write since the last commit overstated a file rewritten in
+        place by the number of rewrites."""
+        if self._stored is None:
+            self._stored = sum(e.length for e in self.extents)
+        dirty = sum(e - s for blk in self.blocks.values() for s, e in blk.spans)
+        return self._stored + dirty + sum(len(d) for d in self.sealing.values())
 
     def starts(self) -> list[int]:
         if self._starts is None:
@@ -350,6 +362,7 @@ class FileState:
     def set_extents(self, extents: list[Extent]) -> None:
         self.extents = extents
         self._starts = None
+        self._stored = None
 
     def touch(self) -> None:
         self.version += 1
@@ -440,7 +453,6 @@ class FileCache:
         for idx, blk in list(st.blocks.items()):
             self._forget_block(st, idx, blk)
         st.committed = st.version
-        st.pending = 0
         st.new_chunks.clear()
 
     def _forget_block(self, st: FileState, idx: int, blk: DirtyBlock) -> None:
@@ -476,7 +488,6 @@ class FileCache:
                 self._lru.move_to_end((st.ino, idx))
             pos += take
             st.size = max(st.size, at + take)
-            st.pending += take
             st.touch()
             if blk.covers(bs):
                 await self.seal(st, blk)
@@ -644,7 +655,7 @@ class FileCache:
                 raise FileError(errno.EIO, f"write error on inode {st.ino}: {st.error}")
             if not st.dirty:
                 return
-            version, size, pending = st.version, st.size, st.pending
+            version, size = st.version, st.size
             # Writers racing this commit may have left blocks that settle did not wait for:
             # their writes are not in these extents, so the file stays dirty for the next one.
             complete = not st.blocks and not st.sealing
@@ -658,7 +669,6 @@ class FileCache:
             st.attr = attr
             if complete:
                 st.committed = version
-            st.pending -= pending
         finally:
             lock.release()
 
@@ -678,7 +688,7 @@ class FileCache:
         if isinstance(blk.buf, bytearray):
             self.pool.put(blk.buf)
         st.sealing[idx] = memoryview(data)
-        version, size, mtime_ns, pending = st.version, st.size, st.mtime_ns, st.pending
+        version, size, mtime_ns = st.version, st.size, st.mtime_ns
         chunks = dict(st.new_chunks)
         base = st.extents
 
@@ -723,7 +733,6 @@ class FileCache:
             st.new_chunks.pop(c, None)
         st.attr = attr
         st.committed = version
-        st.pending -= pending
         return True
 
     def _commit_known_inline(

@@ -220,7 +220,7 @@ class CkptFS(pyfuse3.Operations):
         v = Attr(**a.__dict__)
         v.size, v.mtime_ns = st.size, st.mtime_ns
         if v.alloc >= 0:  # unflushed writes count as stored (at most the size)
-            v.alloc = min(st.size, v.alloc + st.pending)
+            v.alloc = min(st.size, st.allocated())
         v.ctime_ns = max(v.ctime_ns, st.mtime_ns)  # a write changes ctime too
         return v
 
