@@ -34,10 +34,11 @@ from chunkstore import codec
 from chunkstore.chunker import MAX_CHUNK, MIN_CHUNK, make_chunker
 from chunkstore.ids import chunk_id
 from chunkstore.node import NodeInfo, ObjectNode, open_node, parse_node_url
-from chunkstore.store import ChunkStore
+from chunkstore.store import ChunkStore, ChunkUnavailable
 from metadata.engine import (
     DURABLE,
     ROOT_INO,
+    STAGED,
     Attr,
     Extent,
     MetaEngine,
@@ -55,6 +56,11 @@ INFLIGHT_BYTES = 64 * 2**20  # raw bytes being encoded/stored per writer
 # smaller) so it never holds more than that unacknowledged: the tier can neither upload
 # nor evict an unacknowledged chunk, and a full staging of them could never drain.
 UNSYNCED_MAX = 256 * 2**20
+# A chunk that the metadata knows but no node holds yet is staged in some host's write-behind
+# tier (a file closed on another host a moment ago). A read waits this long for that tier's
+# upload (it drains after half a second without writes, or after 30 s of unbroken writes)
+# before it fails with EIO.
+STAGED_WAIT_S = 120.0
 
 
 class VolumeError(Exception):
@@ -132,6 +138,7 @@ class Volume:
         self.store.on_under_replicated = getattr(meta, "record_under_replicated", None)
         self.pool = ThreadPoolExecutor(workers or 8, thread_name_prefix="ckptfs-chunk")
         self.tier = None  # the write-behind tier, when one is attached
+        self.staged_wait_s = STAGED_WAIT_S  # see fetch_chunk
 
     # -- opening -------------------------------------------------------------
     @classmethod
@@ -455,10 +462,42 @@ class Volume:
         """Verified raw bytes of a chunk, through the host tier when there is one.
 
         view=True: a raw object in the tier comes back as a view of the mapped file
-        (cache.read_object fast=True), for readers that only copy out of it."""
+        (cache.read_object fast=True), for readers that only copy out of it.
+
+        A chunk staged on another host and not uploaded yet is waited for (STAGED_WAIT_S):
+        a reader on a second host opens a file right after its writer's close, before the
+        writer's tier has drained, and used to get EIO."""
+        try:
+            return self._fetch_once(cid, view)
+        except ChunkUnavailable as e:
+            if not self._staged(cid):
+                raise
+            first = e
+        # Not on the nodes yet: ask the metadata (not the nodes, whose misses log as bad
+        # replicas) until that tier marks it durable, then read it once more.
+        deadline = time.monotonic() + self.staged_wait_s
+        delay = 0.02
+        while self._staged(cid):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChunkUnavailable(
+                    f"chunk {cid.hex()} is still only in another host's write-behind tier "
+                    f"after {self.staged_wait_s:.0f} s (is that host up? `ckptfs status` "
+                    f"there shows its uploads): {first}"
+                )
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.5)
+        return self._fetch_once(cid, view)
+
+    def _fetch_once(self, cid: bytes, view: bool) -> bytes | memoryview:
         if self.tier is not None:
             return self.tier.get(cid, view=view)
         return self.store.get(cid)
+
+    def _staged(self, cid: bytes) -> bool:
+        """Does the metadata know the chunk as staged in some host's tier (not on R nodes)?"""
+        info = self.meta.chunk_info([cid]).get(cid)
+        return info is not None and info[3] == STAGED
 
 
 def _open_engine(url: str, base_dir: str) -> MetaEngine:

@@ -465,16 +465,20 @@ def test_rename_over_existing_is_atomic_for_a_reader(mounted):
     assert _read(target) == versions[-1]
 
 
-@pytest.mark.parametrize("via", ["directory", "service", "service-tls"])
+@pytest.mark.parametrize("via", ["directory", "service", "service-tls", "two-hosts"])
 def test_second_mount_sees_file_after_close(new_volume, mount_factory, meta_server, tmp_path, via):
     """Two mounts of one volume: opened as its directory (one SQLite database), or as
-    ckptfs://, both through one `meta serve` (with TLS: each mount verifies it)."""
+    ckptfs://, both through one `meta serve` (with TLS: each mount verifies it). two-hosts:
+    each mount has a staging tier of its own, as on two hosts, so b reads a's file before
+    a's tier has uploaded it: the read waits for the upload instead of failing."""
     vol = new_volume()
     if via != "directory":
         tls = self_signed(str(tmp_path)) if via == "service-tls" else None
         vol = meta_server(vol, tls=tls).url
-    a = mount_factory(vol, "a")
-    b = mount_factory(vol, "b")
+    tier = ["--staging", str(tmp_path / "st-a")] if via == "two-hosts" else []
+    a = mount_factory(vol, "a", *tier)
+    tier = ["--staging", str(tmp_path / "st-b")] if via == "two-hosts" else []
+    b = mount_factory(vol, "b", *tier)
     payload = os.urandom(6 * MiB)
     f = open(a.path("shared.bin"), "wb")
     f.write(payload)
