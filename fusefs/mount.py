@@ -557,6 +557,7 @@ class CkptFS(pyfuse3.Operations):
             groups = self._opener(st.attr, ctx)
             st.opens += 1
             try:
+                keep = await self._revalidate(st)
                 if flags & os.O_TRUNC:
                     await self._truncate(st, 0)
                     if groups is not None:
@@ -564,7 +565,6 @@ class CkptFS(pyfuse3.Operations):
             except BaseException:
                 st.opens -= 1
                 raise
-            keep = True  # our own open copy: the kernel's pages are ours
         direct = _write_only(flags)
         if inode in self.direct_written and not direct:
             keep = False  # direct writes bypassed the pages the kernel may hold
@@ -574,6 +574,26 @@ class CkptFS(pyfuse3.Operations):
         fi.keep_cache = keep
         fi.direct_io = direct
         return fi
+
+    async def _revalidate(self, st: FileState) -> bool:
+        """Close-to-open for an inode this mount holds open already: if another mount
+        committed the file since we loaded it, load its new size and extents (unless we have
+        unflushed writes of our own: then the last close wins). Returns whether the kernel's
+        cached pages are still the file's. Without this, an open while another descriptor
+        was held read the content from before the other mount's close."""
+        if st.dirty or st.blocks or st.sealing:
+            return True
+        a = await self._getattr(st.ino)
+        if a.generation == st.attr.generation:
+            return True
+        extents = await self.cache.meta(self.vol.meta.get_extents, st.ino) if a.size else []
+        if st.dirty or st.blocks or st.sealing:  # a write of ours came in meanwhile
+            return True
+        st.attr = a
+        st.size = a.size
+        st.set_extents(_clip(extents, a.size))
+        await trio.to_thread.run_sync(_invalidate_attr, st.ino)
+        return False
 
     async def _truncate(self, st: FileState, size: int) -> None:
         await self.cache.commit(st)

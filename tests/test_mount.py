@@ -495,6 +495,16 @@ def test_second_mount_sees_file_after_close(new_volume, mount_factory, meta_serv
     while time.monotonic() < deadline and _read(a.path("shared.bin")) != b"v2":
         time.sleep(0.1)
     assert _read(a.path("shared.bin")) == b"v2"
+    # close-to-open holds while a keeps the file open: a new open on a loads b's commit
+    with open(a.path("shared.bin"), "rb") as held:
+        assert held.read() == b"v2"
+        v3 = os.urandom(MiB + 7)
+        _write(b.path("shared.bin"), v3)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _read(a.path("shared.bin")) != v3:
+            time.sleep(0.1)
+        assert _read(a.path("shared.bin")) == v3
+        assert os.stat(a.path("shared.bin")).st_size == len(v3)
 
 
 def test_namespace_calls_wait_for_a_busy_database_without_stalling_the_mount(
