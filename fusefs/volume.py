@@ -138,7 +138,6 @@ class Volume:
         self.store.on_under_replicated = getattr(meta, "record_under_replicated", None)
         self.pool = ThreadPoolExecutor(workers or 8, thread_name_prefix="ckptfs-chunk")
         self.tier = None  # the write-behind tier, when one is attached
-        self.staged_wait_s = STAGED_WAIT_S  # see fetch_chunk
 
     # -- opening -------------------------------------------------------------
     @classmethod
@@ -475,14 +474,14 @@ class Volume:
             first = e
         # Not on the nodes yet: ask the metadata (not the nodes, whose misses log as bad
         # replicas) until that tier marks it durable, then read it once more.
-        deadline = time.monotonic() + self.staged_wait_s
+        deadline = time.monotonic() + STAGED_WAIT_S
         delay = 0.02
         while self._staged(cid):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ChunkUnavailable(
                     f"chunk {cid.hex()} is still only in another host's write-behind tier "
-                    f"after {self.staged_wait_s:.0f} s (is that host up? `ckptfs status` "
+                    f"after {STAGED_WAIT_S:.0f} s (is that host up? `ckptfs status` "
                     f"there shows its uploads): {first}"
                 )
             time.sleep(min(delay, left))
