@@ -47,7 +47,13 @@ def _print_report(rep: Report, verb: str, as_json: bool) -> int:
         print(
             f"{verb}: {rep.chunks} chunks, {rep.objects} objects, {rep.replicas_read} replicas "
             f"read ({format_size(rep.bytes_read)}) in {rep.seconds:.1f}s: "
-            f"{len(rep.problems)} problem(s), {fixed} repaired, {left} remaining",
+            f"{len(rep.problems)} problem(s), {fixed} repaired, {left} remaining"
+            + (
+                f"; {rep.staged} chunk(s) still staged in a host's write-behind tier "
+                "(checked once uploaded: `ckptfs flush` on that host)"
+                if rep.staged
+                else ""
+            ),
             file=sys.stderr if as_json else sys.stdout,
         )
     return 0 if not rep.remaining else 1

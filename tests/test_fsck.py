@@ -75,12 +75,16 @@ def test_upload_stopped_half_way_is_not_a_missing_replica(filled, capsys):
         c.execute(vol.meta._q(f"UPDATE chunks SET state = {STAGED} WHERE id = ?"), (cid,))
     rc, rep = fsck_json(capsys, vol)
     assert rc == 0 and rep["problems"] == [], rep["problems"]
+    assert rep["staged_chunks"] == 1  # said, not silently skipped
     vol.store.placement(cid)[0].delete(cid)  # no copy on the nodes at all: still not lost
     rc, rep = fsck_json(capsys, vol)
     assert rc == 0 and rep["problems"] == [], rep["problems"]
+    assert main(["fsck", vol.base_dir]) == 0
+    assert "1 chunk(s) still staged" in capsys.readouterr().out
     vol.meta.mark_durable([cid])
     rc, rep = fsck_json(capsys, vol)
     assert rc == 1 and sorted(set(kinds(rep))) == ["dangling_extent", "missing_replica"], rep
+    assert rep["staged_chunks"] == 0
 
 
 def test_flipped_byte_found_and_rewritten(filled, capsys):
