@@ -557,6 +557,7 @@ class FileCache:
         except Exception as e:  # the writer learns it at flush/fsync/close
             log.error("storing block %d of inode %d failed: %s", idx, st.ino, e)
             st.error = e
+            self._requeue(st, idx, data)
         else:
             lo = idx * self.block
             st.set_extents(splice(st.extents, lo, lo + len(data), [Extent(lo, len(data), cid, 0)]))
@@ -569,6 +570,20 @@ class FileCache:
             if isinstance(buf, bytearray):
                 self.pool.put(buf)
             self._changed.unpark_all()
+
+    def _requeue(self, st: FileState, idx: int, data: memoryview | Pieces | bytes) -> None:
+        """A block whose store failed goes back as dirty, whole (called while its index is
+        still in `st.sealing`, so no newer block for it exists). The commit that reports the
+        error clears it and the next one stores the block again: a metadata service down
+        past the client's retry window used to mark the file failed for good, and its data
+        was dropped at unmount even after the service came back."""
+        raw = bytearray(b"".join(bytes(p) for p in _parts(data)))
+        blk = DirtyBlock(st.ino, idx)
+        blk.buf = raw
+        blk.spans = [[0, len(raw)]]
+        blk.counted = len(raw)
+        self.dirty_bytes += len(raw)
+        st.blocks[idx] = blk
 
     def _chunk_id(self, data: memoryview | Pieces) -> bytes:
         return pieces_id(_parts(data), self.vol.seed)
@@ -634,8 +649,8 @@ class FileCache:
                 await self.seal(st, blk)
             while st.sealing or any(blk.busy for blk in st.blocks.values()):
                 await self._changed.park()
-            if not st.blocks:
-                return
+            if not st.blocks or st.error is not None:
+                return  # a failed store: the commit reports it, the next one retries
 
     async def commit(self, st: FileState) -> None:
         """Store and publish the file's current content (flush, fsync, close)."""
@@ -651,8 +666,9 @@ class FileCache:
             if await self._commit_small(st):
                 return
             await self.settle(st)
-            if st.error is not None:
-                raise FileError(errno.EIO, f"write error on inode {st.ino}: {st.error}")
+            if st.error is not None:  # reported once; the failed blocks wait, dirty, for a retry
+                err, st.error = st.error, None
+                raise FileError(errno.EIO, f"write error on inode {st.ino}: {err}")
             if not st.dirty:
                 return
             version, size = st.version, st.size
@@ -719,7 +735,7 @@ class FileCache:
                 cid, rec, attr = await trio.to_thread.run_sync(work, limiter=self.store_limiter)
         except Exception as e:  # the store failed: like a failed background store
             log.error("storing the block of inode %d failed: %s", st.ino, e)
-            st.error = e
+            self._requeue(st, idx, data)  # reported here, retried by the next commit
             raise FileError(errno.EIO, f"write error on inode {st.ino}: {e}") from None
         finally:
             st.sealing.pop(idx, None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
+import pytest
 import trio
 import trio.testing
 
@@ -13,10 +15,12 @@ from fusefs.filecache import (
     BufferPool,
     DirtyBlock,
     FileCache,
+    FileError,
     Pieces,
     _parts,
 )
 from fusefs.volume import Volume
+from metadata.engine import MetaError
 
 KiB = 1024
 BLOCK = 4 * KiB * KiB
@@ -111,5 +115,46 @@ def test_a_commit_waits_for_a_block_that_another_task_is_sealing(tmp_path):
         trio.run(main)
         want = old[:MiB] + patch + old[2 * MiB :]
         assert vol.read_file("/f") == want
+    finally:
+        vol.close()
+
+
+def test_a_block_whose_store_failed_is_kept_and_stored_by_the_next_commit(tmp_path):
+    """The store of a sealed block fails (the metadata service unreachable past the
+    client's retry window): the commit reports EIO once, the block stays dirty, and the
+    next commit, with the service back, stores and publishes it. The data used to be
+    dropped and the file marked failed for good."""
+    MiB = KiB * KiB
+    vol = Volume.create(str(tmp_path / "vol"))
+    try:
+        attr = vol.write_file("/f", b"")
+        real = vol.meta.missing_chunks
+        down = [True]
+
+        def missing_chunks(ids):
+            if down[0]:
+                raise MetaError(errno.ETIMEDOUT, "metadata service unreachable")
+            return real(ids)
+
+        vol.meta.missing_chunks = missing_chunks  # type: ignore[method-assign]
+        first, second = os.urandom(4 * MiB), os.urandom(MiB)
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                cache = FileCache(vol, nursery)
+                st = await cache.open_state(attr)
+                await cache.write(st, 0, first)  # a whole block: sealed and stored at once
+                await cache.write(st, 4 * MiB, second)
+                with pytest.raises(FileError) as e:
+                    await cache.commit(st)  # the close while the service is down
+                assert e.value.errno == errno.EIO
+                assert st.dirty and 0 in st.blocks  # kept
+                down[0] = False
+                await cache.commit(st)  # the service is back: the next close stores it
+                assert not st.dirty and not st.blocks
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        assert vol.read_file("/f") == first + second
     finally:
         vol.close()
