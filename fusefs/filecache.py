@@ -577,6 +577,8 @@ class FileCache:
         error clears it and the next one stores the block again: a metadata service down
         past the client's retry window used to mark the file failed for good, and its data
         was dropped at unmount even after the service came back."""
+        if st.attr.nlink <= 0 and st.opens <= 0:
+            return  # unlinked and closed meanwhile: nobody can read it back
         raw = bytearray(b"".join(bytes(p) for p in _parts(data)))
         blk = DirtyBlock(st.ino, idx)
         blk.buf = raw
