@@ -342,6 +342,11 @@ class FileState:
     def dirty(self) -> bool:
         return self.version != self.committed
 
+    @property
+    def unflushed(self) -> bool:
+        """Writes not committed yet, or blocks still held or being stored."""
+        return self.dirty or bool(self.blocks) or bool(self.sealing)
+
     def allocated(self) -> int:
         """Bytes holding data, unflushed writes included: st_blocks of a dirty file.
 
@@ -432,19 +437,38 @@ class FileCache:
         return await trio.to_thread.run_sync(fn, *args, limiter=self.meta_limiter)
 
     # -- states --------------------------------------------------------------
+    async def _committed_extents(self, attr: Attr) -> list[Extent]:
+        """The file's committed extents, cut at its size: what an open starts from."""
+        extents = await self.meta(self.vol.meta.get_extents, attr.ino) if attr.size else []
+        return clip(extents, attr.size)
+
     async def open_state(self, attr: Attr) -> FileState:
         st = self.states.get(attr.ino)
         if st is None:
-            extents = await self.meta(self.vol.meta.get_extents, attr.ino) if attr.size else []
+            extents = await self._committed_extents(attr)
             st = self.states.get(attr.ino)  # another open may have raced us here
             if st is None:
-                st = FileState(attr.ino, attr, attr.size, clip(extents, attr.size))
+                st = FileState(attr.ino, attr, attr.size, extents)
                 self.states[attr.ino] = st
         st.opens += 1
         return st
 
+    async def reload(self, st: FileState, attr: Attr) -> bool:
+        """Take another mount's commit of a file we hold open (close-to-open): its size and
+        extents replace ours, unless we have unflushed writes (then the last close wins).
+        Returns whether it did."""
+        if st.unflushed:
+            return False
+        extents = await self._committed_extents(attr)
+        if st.unflushed:  # a write of ours came in meanwhile
+            return False
+        st.attr = attr
+        st.size = attr.size
+        st.set_extents(extents)
+        return True
+
     def drop_if_idle(self, st: FileState) -> None:
-        if st.opens <= 0 and not st.dirty and not st.sealing and not st.blocks:
+        if st.opens <= 0 and not st.unflushed:
             if self.states.get(st.ino) is st:
                 del self.states[st.ino]
 
@@ -579,12 +603,13 @@ class FileCache:
         was dropped at unmount even after the service came back."""
         if st.attr.nlink <= 0 and st.opens <= 0:
             return  # unlinked and closed meanwhile: nobody can read it back
-        raw = bytearray(b"".join(bytes(p) for p in _parts(data)))
         blk = DirtyBlock(st.ino, idx)
-        blk.buf = raw
-        blk.spans = [[0, len(raw)]]
-        blk.counted = len(raw)
-        self.dirty_bytes += len(raw)
+        pos = 0
+        for part in _parts(data):  # copied: the sealed buffer goes back to the pool
+            blk.write(pos, part)
+            pos += len(part)
+        blk.counted = blk.nbytes
+        self.dirty_bytes += blk.nbytes
         st.blocks[idx] = blk
 
     def _chunk_id(self, data: memoryview | Pieces) -> bytes:

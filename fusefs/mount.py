@@ -44,7 +44,7 @@ import pyfuse3
 import trio
 
 from chunkstore.store import ChunkStoreError
-from fusefs.filecache import FileCache, FileError, FileState
+from fusefs.filecache import FileCache, FileError, FileState, clip
 from fusefs.volume import Volume
 from metadata.engine import DURABLE, NAME_MAX, Attr, MetaError
 from metadata.sqlite import SqliteEngine
@@ -313,7 +313,7 @@ class CkptFS(pyfuse3.Operations):
         if st is not None:
             if fields.update_size:
                 st.size = new.size
-                st.set_extents(_clip(st.extents, new.size))
+                st.set_extents(clip(st.extents, new.size))
             st.attr = new
         if fields.update_size:
             self.page_gen[inode] = new.generation
@@ -581,17 +581,11 @@ class CkptFS(pyfuse3.Operations):
         unflushed writes of our own: then the last close wins). Returns whether the kernel's
         cached pages are still the file's. Without this, an open while another descriptor
         was held read the content from before the other mount's close."""
-        if st.dirty or st.blocks or st.sealing:
+        if st.unflushed:
             return True
         a = await self._getattr(st.ino)
-        if a.generation == st.attr.generation:
+        if a.generation == st.attr.generation or not await self.cache.reload(st, a):
             return True
-        extents = await self.cache.meta(self.vol.meta.get_extents, st.ino) if a.size else []
-        if st.dirty or st.blocks or st.sealing:  # a write of ours came in meanwhile
-            return True
-        st.attr = a
-        st.size = a.size
-        st.set_extents(_clip(extents, a.size))
         await trio.to_thread.run_sync(_invalidate_attr, st.ino)
         return False
 
@@ -599,7 +593,7 @@ class CkptFS(pyfuse3.Operations):
         await self.cache.commit(st)
         new = await self.meta(lambda: self.vol.meta.setattr(st.ino, size=size))
         st.size = new.size
-        st.set_extents(_clip(st.extents, size))
+        st.set_extents(clip(st.extents, size))
         st.attr = new
 
     @handler
@@ -708,12 +702,6 @@ class CkptFS(pyfuse3.Operations):
 
     async def access(self, inode, mode, ctx):
         return True  # default_permissions: the kernel already checked
-
-
-def _clip(extents, size):
-    from fusefs.filecache import clip
-
-    return clip(extents, size)
 
 
 def _write_only(flags: int) -> bool:
