@@ -26,7 +26,7 @@ import xxhash
 
 from bench.harness_data import ShardMaker
 from chunkstore.node import NodeInfo, ObjectNode, open_node
-from fusefs.volume import FileWriter, Volume
+from fusefs.volume import FileWriter, Volume, maybe_inline
 from metadata.checkpoints import unpack_extents
 
 PROGRESS_EVERY = 0.25
@@ -147,7 +147,7 @@ def write_shard(st: WorkerState, host: Host, step: int, rank: int, kill: bool) -
     blocks = st.maker.shard(rank, st.versions[step][rank])
     if cfg["corrupt"] == [step, rank]:  # test hook: what is written differs from the seed's
         blocks[0] = bytes([blocks[0][0] ^ 0xFF]) + blocks[0][1:]
-    w = FileWriter(host.vol, 0)
+    w = FileWriter(host.vol, 0, inline=False)
     try:
         half = st.maker.shard_size // 2
         for blk in blocks:
@@ -213,7 +213,7 @@ def read_shard(st: WorkerState, host: Host, step: int, rank: int, files: list) -
     buf = bytearray(size)
     covered = 0
     for e in unpack_extents(f["extents"]):
-        raw = host.vol.fetch_chunk(e.chunk_id)
+        raw = host.vol.fetch_chunk(e.chunk_id, small=maybe_inline(e))
         buf[e.offset : e.offset + e.length] = raw[e.chunk_off : e.chunk_off + e.length]
         covered += e.length
     if covered != size:

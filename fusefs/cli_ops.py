@@ -53,7 +53,8 @@ def _print_report(rep: Report, verb: str, as_json: bool) -> int:
                 "(checked once uploaded: `ckptfs flush` on that host)"
                 if rep.staged
                 else ""
-            ),
+            )
+            + (f"; {rep.inline} inline chunk(s) checked in the metadata" if rep.inline else ""),
             file=sys.stderr if as_json else sys.stdout,
         )
     return 0 if not rep.remaining else 1

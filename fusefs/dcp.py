@@ -78,7 +78,7 @@ import chunkstore.writeback  # noqa: F401 - imported with this module, not insid
 import metadata.sqlite  # noqa: F401 - (the Volume imports them lazily; profiled: ~0.2 s a rank)
 from chunkstore import codec
 from chunkstore.ids import pieces_id
-from fusefs.volume import FileWriter, Volume, drain_quietly
+from fusefs.volume import FileWriter, Volume, drain_quietly, maybe_inline
 from metadata.engine import DURABLE, Extent, MetaError, NewChunk
 
 __all__ = [
@@ -457,7 +457,7 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
             metadata.storage_data = storage_md
             metadata.storage_meta = self.storage_meta()
             vol = _volume(self.volume, self.tier)
-            w = FileWriter(vol, 0)
+            w = FileWriter(vol, 0, inline=False)
             try:
                 w.write(pickle.dumps(metadata))
                 w.close(commit=False)
@@ -1210,6 +1210,12 @@ def _assemble(
     sizes = {e.chunk_id: e.chunk_off + e.length for mine in pieces for e, _, _ in mine}
     futs: dict[bytes, CFuture] = {}
     ahead = 0  # bytes of fetched-or-fetching chunks still to be used
+    # Chunks that may be inline (small extents) come from the metadata in one query.
+    small = list({e.chunk_id for mine in pieces for e, _, _ in mine if maybe_inline(e)})
+    for cid, data in vol.inline_chunks(small).items():
+        futs[cid] = CFuture()
+        futs[cid].set_result(data)
+        ahead += sizes[cid]
     nxt = 0
 
     def pump(upto: int) -> None:

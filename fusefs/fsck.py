@@ -16,11 +16,14 @@ Problem kinds (each entry of `problems` in the JSON report):
   lost_chunk         an unreferenced row whose object is nowhere -> row dropped
   refcount_mismatch  stored refcount != references from extents  -> set to the true count
   orphan_object      an object with no chunk row, older than the grace period -> deleted
+  bad_inline         an inline chunk (bytes in the metadata) whose bytes are missing or do
+                     not match its id                     -> unrepairable (names files)
   node_unreachable   a node could not be listed             -> unrepairable now
 
 Objects without a row that are younger than the grace period belong to writers
 in flight (stored, not yet committed): counted, never touched. Chunks only
-staged in a host's write-behind tier are not expected on the nodes yet.
+staged in a host's write-behind tier are not expected on the nodes yet, nor are
+inline ones, whose bytes are in the metadata (checked against their ids instead).
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from chunkstore import codec
+from chunkstore.ids import chunk_id
 from chunkstore.node import NodeError, ObjectNode
 from fusefs.progress import Progress
 from fusefs.volume import Volume
-from metadata.engine import DURABLE, NewChunk
+from metadata.engine import DURABLE, INLINE, STAGED, NewChunk
 
 DEFAULT_GRACE = 3600.0  # seconds an unreferenced chunk or row-less object is left alone
 THREADS = 16  # node round trips overlap (S3 latency), verification runs in parallel
@@ -63,6 +67,7 @@ class Report:
     bytes_read: int = 0
     young_objects: int = 0
     staged: int = 0  # chunks only in a host's write-behind tier so far (not expected on nodes)
+    inline: int = 0  # chunks whose bytes are in the metadata (not expected on nodes)
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -95,6 +100,7 @@ class Report:
             "bytes_read": self.bytes_read,
             "young_objects_skipped": self.young_objects,
             "staged_chunks": self.staged,
+            "inline_chunks": self.inline,
             "seconds": round(self.seconds, 3),
         }
 
@@ -312,7 +318,8 @@ def check_volume(
         if repair and fix_counts:
             meta.fix_refcounts(fix_counts)
 
-    report.staged = sum(row.state != DURABLE for row in rows.values())
+    report.staged = sum(row.state == STAGED for row in rows.values())
+    _inline(vol, report, rows, true)
     todo = [
         (cid, row.raw_len, row.state == DURABLE)
         for cid, row in rows.items()
@@ -335,6 +342,34 @@ def check_volume(
         )
     report.seconds = time.monotonic() - t0
     return report
+
+
+def _inline(vol: Volume, report: Report, rows, true) -> None:
+    """Inline chunks: their bytes must be in the metadata and hash to their id. Nothing
+    to repair from (the metadata is their one copy); the problem names the files."""
+    ids = [cid for cid, row in rows.items() if row.state == INLINE]
+    report.inline = len(ids)
+    bad: dict[bytes, str] = {}
+    for i in range(0, len(ids), 500):
+        part = ids[i : i + 500]
+        found = vol.meta.inline_data(part)
+        for cid in part:
+            data = found.get(cid)
+            if data is None:
+                bad[cid] = "its bytes are missing from the metadata"
+            elif chunk_id(data, vol.seed) != cid or len(data) != rows[cid].raw_len:
+                bad[cid] = "its bytes do not match its id"
+    files = _files(vol, list(bad)) if bad else {}
+    for cid, why in bad.items():
+        report.add(
+            Problem(
+                "bad_inline",
+                f"inline chunk {cid.hex()}: {why}",
+                chunk=cid.hex(),
+                files=files.get(cid),
+                why_not="data lost: the metadata held the only copy",
+            )
+        )
 
 
 def _files(vol: Volume, ids: list[bytes]) -> dict[bytes, list[str]]:

@@ -46,7 +46,7 @@ import trio
 from chunkstore.store import ChunkStoreError
 from fusefs.filecache import FileCache, FileError, FileState, clip
 from fusefs.volume import Volume
-from metadata.engine import DURABLE, NAME_MAX, Attr, MetaError
+from metadata.engine import NAME_MAX, STAGED, Attr, MetaError
 from metadata.sqlite import SqliteEngine
 
 log = logging.getLogger("ckptfs.mount")
@@ -688,7 +688,7 @@ class CkptFS(pyfuse3.Operations):
             logical = sum(e.length for e in extents)
             shared = sum(e.length for e in extents if info.get(e.chunk_id, (0, 0, 0, 0))[2] > 1)
             return f"{shared / logical if logical else 0.0:.4f}".encode()
-        staged = sum(1 for c in ids if c in info and info[c][3] != DURABLE)
+        staged = sum(1 for c in ids if c in info and info[c][3] == STAGED)
         return b"durable" if not staged else f"staged {staged}/{len(ids)}".encode()
 
     async def _flush_tier(self) -> None:

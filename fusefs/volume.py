@@ -37,6 +37,8 @@ from chunkstore.node import NodeInfo, ObjectNode, open_node, parse_node_url
 from chunkstore.store import ChunkStore, ChunkUnavailable
 from metadata.engine import (
     DURABLE,
+    INLINE,
+    INLINE_DATA_MAX,
     ROOT_INO,
     STAGED,
     Attr,
@@ -378,8 +380,10 @@ class Volume:
         parents: bool = True,
         codec_name: str | None = None,
         exclusive: bool = False,
+        inline: bool = True,
     ) -> FileWriter:
-        """A writer whose bytes replace the file's content atomically at close()."""
+        """A writer whose bytes replace the file's content atomically at close().
+        inline=False stores even the smallest chunks on the nodes (FileWriter)."""
         parent, name = self._parent(path, make=parents)
         try:
             attr = self.meta.create(parent.ino, name, stat.S_IFREG | mode, os.getuid(), os.getgid())
@@ -391,7 +395,7 @@ class Volume:
                 raise MetaError(errno.EISDIR, f"{path!r} is a directory") from None
             if not attr.is_reg:
                 raise MetaError(errno.EINVAL, f"{path!r} is not a regular file") from None
-        return FileWriter(self, attr.ino, codec_name=codec_name)
+        return FileWriter(self, attr.ino, codec_name=codec_name, inline=inline)
 
     def write_file(self, path: str, data: bytes, **kw) -> Attr:
         with self.open_write(path, **kw) as w:
@@ -431,12 +435,18 @@ class Volume:
         elem_width: int | None = None,
         *,
         sync: bool = True,
+        inline: bool = False,
     ) -> NewChunk:
         """Encode and store one chunk (blocking); returns its record for commit.
 
+        inline=True (a writer committing with commit_file): a chunk of at most INLINE_DATA_MAX
+        bytes is not stored here; its record carries the bytes into the commit that names it
+        (INLINE), which keeps them in the metadata. Checkpoint commits carry no bytes.
         `elem_width` is a float-width hint (DCP knows each tensor's dtype; probing costs more).
         sync=False: durable only after the next `sync_chunks()`, which the writer must call
         before the commit that names the chunk (one batch of fsyncs per commit)."""
+        if inline and len(raw) <= INLINE_DATA_MAX:
+            return NewChunk.inline(cid, raw)
         blob = codec.encode(raw, codec_name or self.settings.compression, elem_width=elem_width)
         if self.tier is not None:
             state = self.tier.put(cid, blob, sync=sync)
@@ -457,26 +467,51 @@ class Volume:
         uncompressed; False otherwise (then fetch_chunk), with the views maybe overwritten."""
         return self.tier is not None and self.tier.read_into(cid, views)
 
-    def fetch_chunk(self, cid: bytes, *, view: bool = False) -> bytes | memoryview:
+    def inline_chunks(self, ids: list[bytes]) -> dict[bytes, bytes]:
+        """The verified bytes of those of these chunks stored inline in the metadata (one
+        query). Only chunks of small extents (`maybe_inline`) are worth asking about."""
+        found = self.meta.inline_data(ids) if ids else {}
+        for cid, data in found.items():
+            if chunk_id(data, self.seed) != cid:
+                raise ChunkUnavailable(
+                    f"inline chunk {cid.hex()} is corrupt in the metadata (`ckptfs fsck`)"
+                )
+        return found
+
+    def fetch_chunk(
+        self, cid: bytes, *, view: bool = False, small: bool = False
+    ) -> bytes | memoryview:
         """Verified raw bytes of a chunk, through the host tier when there is one.
 
         view=True: a raw object in the tier comes back as a view of the mapped file
         (cache.read_object fast=True), for readers that only copy out of it.
+        small=True: the chunk may be inline (`maybe_inline` of the extent that names it):
+        the metadata is asked first. No node holds an inline chunk, and asking them for it
+        reports each placement node as missing a replica.
 
         A chunk staged on another host and not uploaded yet is waited for (STAGED_WAIT_S):
         a reader on a second host opens a file right after its writer's close, before the
         writer's tier has drained, and used to get EIO."""
+        if small:
+            data = self.inline_chunks([cid]).get(cid)
+            if data is not None:
+                return data
         try:
             return self._fetch_once(cid, view)
         except ChunkUnavailable as e:
-            if not self._staged(cid):
+            state = self._state(cid)
+            if state == INLINE:  # a reader that did not pass `small`: the nodes never had it
+                data = self.inline_chunks([cid]).get(cid)
+                if data is not None:
+                    return data
+            if state != STAGED:
                 raise
             first = e
         # Not on the nodes yet: ask the metadata (not the nodes, whose misses log as bad
         # replicas) until that tier marks it durable, then read it once more.
         deadline = time.monotonic() + STAGED_WAIT_S
         delay = 0.02
-        while self._staged(cid):
+        while self._state(cid) == STAGED:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ChunkUnavailable(
@@ -493,10 +528,17 @@ class Volume:
             return self.tier.get(cid, view=view)
         return self.store.get(cid)
 
-    def _staged(self, cid: bytes) -> bool:
-        """Does the metadata know the chunk as staged in some host's tier (not on R nodes)?"""
+    def _state(self, cid: bytes) -> int | None:
+        """The chunk's state in the metadata (STAGED: in some host's tier, not on R nodes
+        yet), None if it has no row."""
         info = self.meta.chunk_info([cid]).get(cid)
-        return info is not None and info[3] == STAGED
+        return None if info is None else info[3]
+
+
+def maybe_inline(e: Extent) -> bool:
+    """Can the chunk this extent names be inline? Only if the extent is small: an inline
+    chunk has at most INLINE_DATA_MAX bytes, and an extent covers part of its chunk at most."""
+    return e.length <= INLINE_DATA_MAX
 
 
 def _open_engine(url: str, base_dir: str) -> MetaEngine:
@@ -526,10 +568,15 @@ def drain_quietly(inflight: deque[tuple[Future, int]]) -> None:
 class FileWriter:
     """Streams bytes into chunks; the file changes only at close(), in one commit."""
 
-    def __init__(self, vol: Volume, ino: int, *, codec_name: str | None = None) -> None:
+    def __init__(
+        self, vol: Volume, ino: int, *, codec_name: str | None = None, inline: bool = True
+    ) -> None:
+        """inline=False: the file is committed through a checkpoint (commit_rank), which
+        takes no inline chunks (Volume.store_chunk)."""
         self.vol = vol
         self.ino = ino
         self.codec_name = codec_name
+        self.inline = inline
         self.chunker = vol.make_chunker()
         self.size = 0
         self.extents: list[Extent] = []
@@ -581,7 +628,9 @@ class FileWriter:
             self._reap_one()
         if self._unsynced_bytes and self._unsynced_bytes + len(raw) > self._unsynced_max:
             self._sync()
-        fut = self.vol.pool.submit(self.vol.store_chunk, cid, raw, self.codec_name, sync=False)
+        fut = self.vol.pool.submit(
+            self.vol.store_chunk, cid, raw, self.codec_name, sync=False, inline=self.inline
+        )
         self._inflight.append((fut, len(raw)))
         self._inflight_bytes += len(raw)
         self._unsynced_bytes += len(raw)
@@ -654,10 +703,11 @@ class FileReader:
         self._readahead = readahead
         self._pos = 0
 
-    def _chunk(self, cid: bytes) -> Future[bytes]:
+    def _chunk(self, e: Extent) -> Future[bytes]:
+        cid = e.chunk_id
         fut = self._cache.get(cid)
         if fut is None:
-            fut = self.vol.pool.submit(self.vol.fetch_chunk, cid)
+            fut = self.vol.pool.submit(self.vol.fetch_chunk, cid, small=maybe_inline(e))
             self._cache[cid] = fut
             while len(self._cache) > self._readahead + 4:
                 self._cache.popitem(last=False)
@@ -684,11 +734,11 @@ class FileReader:
         if len(idx) == 1:
             e = self.extents[idx[0]]
             if e.offset <= offset and e.offset + e.length >= end:
-                raw = self._chunk(e.chunk_id).result()
+                raw = self._chunk(e).result()
                 self._prefetch(idx[0] + 1)
                 s = e.chunk_off + offset - e.offset
                 return raw[s : s + size]
-        futs = [(self.extents[i], self._chunk(self.extents[i].chunk_id)) for i in idx]
+        futs = [(self.extents[i], self._chunk(self.extents[i])) for i in idx]
         if idx:
             self._prefetch(idx[-1] + 1)
         out = bytearray(size)
@@ -703,7 +753,7 @@ class FileReader:
 
     def _prefetch(self, i: int) -> None:
         for e in self.extents[i : i + self._readahead]:
-            self._chunk(e.chunk_id)
+            self._chunk(e)
 
     # file-like sequential API
     def read(self, n: int = -1) -> bytes:

@@ -39,6 +39,7 @@ from metadata.engine import (
     MAX_CHUNK_BYTES,
     NAME_MAX,
     ROOT_INO,
+    STAGED,
     Extent,
     MetaError,
     NewChunk,
@@ -1244,7 +1245,7 @@ class CheckpointMixin:
             marks = ",".join("?" * len(part))
             if self._one(
                 c,
-                f"SELECT 1 FROM chunks WHERE id IN ({marks}) AND state != {DURABLE} LIMIT 1",
+                f"SELECT 1 FROM chunks WHERE id IN ({marks}) AND state = {STAGED} LIMIT 1",
                 part,
             ):
                 return True

@@ -24,9 +24,19 @@ NAME_MAX = 255
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
-# Chunk states: staged = only in a host's write-behind tier; durable = on R nodes.
+# Chunk states: staged = only in a host's write-behind tier; durable = on R nodes;
+# inline = small enough that its bytes live in the metadata beside the extents naming it
+# (`inline_data`), never on a node: see INLINE_DATA_MAX.
 STAGED = 0
 DURABLE = 1
+INLINE = 2
+
+# Chunks up to this size (raw bytes) may be stored inline in the metadata. A 4 KiB file
+# stored as an object costs a staged file, a journal fsync on close, and R node writes
+# with their fsyncs in the background; inline, its bytes go in the close's one metadata
+# transaction (as Lustre's data-on-MDT does for small files). The bytes are exactly as
+# durable as the file's name and extents, which live in the same database.
+INLINE_DATA_MAX = 16 * 1024
 
 
 class MetaError(Exception):
@@ -98,12 +108,17 @@ class Extent:
 
 @dataclass(frozen=True)
 class NewChunk:
-    """A chunk first stored by the committing writer."""
+    """A chunk first stored by the committing writer; an INLINE one carries its bytes."""
 
     chunk_id: bytes
     raw_len: int
     stored_len: int
     state: int = DURABLE
+    data: bytes = b""
+
+    @classmethod
+    def inline(cls, chunk_id: bytes, raw: bytes) -> NewChunk:
+        return cls(chunk_id, len(raw), len(raw), INLINE, bytes(raw))
 
 
 @dataclass(frozen=True)
@@ -173,9 +188,21 @@ def chunk_lengths_ok(raw_len: int, stored_len: int) -> bool:
 
 
 def check_new_chunks(chunks: list[NewChunk]) -> None:
+    """Lengths in range; an INLINE chunk carries exactly its raw bytes (at most INLINE_DATA_MAX),
+    any other none. (Its id is checked against its bytes where they are read.)"""
     for ch in chunks:
-        if not chunk_lengths_ok(ch.raw_len, ch.stored_len):
+        if not chunk_lengths_ok(ch.raw_len, ch.stored_len) or len(ch.chunk_id) != 16:
             raise MetaError(errno.EINVAL, f"bad length in new chunk {ch.chunk_id.hex()}")
+        if ch.state == INLINE:
+            n = len(ch.data)
+            if not (n == ch.raw_len == ch.stored_len and n <= INLINE_DATA_MAX):
+                raise MetaError(
+                    errno.EINVAL,
+                    f"inline chunk {ch.chunk_id.hex()}: {n} bytes for a raw length of "
+                    f"{ch.raw_len} (at most {INLINE_DATA_MAX})",
+                )
+        elif ch.state not in (STAGED, DURABLE) or ch.data:
+            raise MetaError(errno.EINVAL, f"bad state {ch.state} of new chunk {ch.chunk_id.hex()}")
 
 
 def check_extents(extents: list[Extent], size: int) -> None:
@@ -343,6 +370,11 @@ class MetaEngine(ABC):
     @abstractmethod
     def chunk_info(self, ids: list[bytes]) -> dict[bytes, tuple[int, int, int, int]]:
         """id -> (raw_len, stored_len, refcount, state) for the known ones."""
+
+    @abstractmethod
+    def inline_data(self, ids: list[bytes]) -> dict[bytes, bytes]:
+        """id -> bytes of those of these chunks stored inline (one batched query; readers
+        ask for chunks of small extents only, the only ones that can be inline)."""
 
     @abstractmethod
     def mark_durable(self, ids: list[bytes], stored_lens: list[int] | None = None) -> None:

@@ -127,12 +127,23 @@ class MaintenanceMixin:
                 self._q(f"DELETE FROM chunks WHERE id = ? AND {cond}"),  # type: ignore[attr-defined]
                 [(r[0], cutoff) for r in rows],
             )
+            self._drop_inline(c, [bytes(r[0]) for r in rows])
             self._ensure_ur(c)
             c.executemany(
                 self._q("DELETE FROM under_replicated WHERE chunk = ?"),  # type: ignore[attr-defined]
                 [(r[0],) for r in rows],
             )
         return [(bytes(r[0]), int(r[1])) for r in rows]
+
+    def _drop_inline(self, c: Any, ids: list[bytes]) -> None:
+        """The inline bytes of these chunks whose rows are gone (a row kept: bytes kept)."""
+        c.executemany(
+            self._q(  # type: ignore[attr-defined]
+                "DELETE FROM inline_data WHERE id = ? AND NOT EXISTS "
+                "(SELECT 1 FROM chunks WHERE chunks.id = inline_data.id)"
+            ),
+            [(cid,) for cid in ids],
+        )
 
     def known_chunks(self, ids: list[bytes]) -> set[bytes]:
         """Which ids have a chunk row (no grace-timer side effect, unlike missing_chunks)."""
@@ -190,11 +201,13 @@ class MaintenanceMixin:
             self._settle(c)  # type: ignore[attr-defined]
             used = {cid for _, refs in self._referenced(c) for cid in refs}
             before = self._x(c, "SELECT COUNT(*) FROM chunks").fetchone()[0]  # type: ignore[attr-defined]
+            gone = [cid for cid in ids if cid not in used]
             c.executemany(
                 self._q("DELETE FROM chunks WHERE id = ? AND refcount <= 0"),  # type: ignore[attr-defined]
-                [(cid,) for cid in ids if cid not in used],
+                [(cid,) for cid in gone],
             )
             after = self._x(c, "SELECT COUNT(*) FROM chunks").fetchone()[0]  # type: ignore[attr-defined]
+            self._drop_inline(c, gone)
         return int(before - after)
 
     def register_chunk_rows(self, chunks: list, refcounts: dict[bytes, int]) -> None:

@@ -26,7 +26,7 @@ import msgspec
 from metadata.checkpoints import WireFile
 from metadata.engine import Attr, ChunkRow, DirEntry, Extent, NewChunk, VolumeStats
 
-PROTO_VERSION = 2  # 2: Attr.alloc
+PROTO_VERSION = 3  # 2: Attr.alloc; 3: NewChunk.data (inline chunks)
 MAX_FRAME = 64 * 2**20
 HEADER = struct.Struct(">I")
 
@@ -43,10 +43,10 @@ _SET = 20
 READ_METHODS = frozenset(
     {
         "ping", "get_config", "lookup", "getattr", "readdir", "readlink", "get_xattr", "list_xattr",
-        "get_extents", "chunk_info", "stats", "step_state", "wait_published", "latest",
-        "latest_durable", "manifest", "list_checkpoints", "checkpoint_info", "pending_refs",
-        "get_retention", "chunk_rows", "true_refcounts", "files_using", "inode_path",
-        "known_chunks", "under_replicated", "parent",
+        "get_extents", "chunk_info", "inline_data", "stats", "step_state", "wait_published",
+        "latest", "latest_durable", "manifest", "list_checkpoints", "checkpoint_info",
+        "pending_refs", "get_retention", "chunk_rows", "true_refcounts", "files_using",
+        "inode_path", "known_chunks", "under_replicated", "parent",
     }
 )  # fmt: skip
 MUTATING_METHODS = frozenset(

@@ -29,9 +29,11 @@ from metadata.checkpoints import (
 )
 from metadata.engine import (
     DURABLE,
+    INLINE,
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
     ROOT_INO,
+    STAGED,
     Attr,
     DirEntry,
     Extent,
@@ -160,6 +162,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
     # -- volume --------------------------------------------------------------
     # Columns added since the first volumes, by table (declarations in SQLite's dialect).
     UPGRADES = {"inodes": {"alloc": "INTEGER NOT NULL DEFAULT -1"}}
+    TABLES_ADDED = ("inline_data",)  # tables since the first volumes (made from `_ddl`)
 
     def _upgrade_schema(self) -> None:
         """Add the columns a volume made by an older version lacks; called at open, before
@@ -167,15 +170,21 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         falls back to the size until the file is written again). A database not yet
         formatted is left alone: init_volume makes the whole schema."""
         with self._read() as c:
+            if not self._has(c, "inodes", "*"):
+                return
             todo = {
                 table: cols
                 for table, cols in self.UPGRADES.items()
-                if self._has(c, table, "*") and not all(self._has(c, table, k) for k in cols)
+                if not all(self._has(c, table, k) for k in cols)
             }
-        if todo:
+            tables = [t for t in self.TABLES_ADDED if not self._has(c, t, "*")]
+        if todo or tables:
             with self._tx() as c:
                 for table, cols in todo.items():
                     self._add_columns(c, table, cols)
+                for table in tables:  # IF NOT EXISTS: another process may have made it
+                    (stmt,) = [s for s in self._ddl() if f" EXISTS {table} (" in s]
+                    self._x(c, stmt)
 
     def _add_columns(self, c: Any, table: str, cols: dict[str, str]) -> None:
         """Add each column of `cols` (name -> declaration) that `table` lacks (checked
@@ -891,6 +900,14 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         durable = [(ch.chunk_id,) for ch in chunks if ch.state == DURABLE]
         if durable:
             c.executemany(self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), durable)
+        inline = [(ch.chunk_id, ch.data) for ch in chunks if ch.state == INLINE]
+        if inline:  # a row already there holds the same bytes (its id says so)
+            c.executemany(
+                self._q(
+                    "INSERT INTO inline_data (id, data) VALUES (?,?) ON CONFLICT (id) DO NOTHING"
+                ),
+                inline,
+            )
 
     def _check_known(self, c: Any, ids: set[bytes]) -> None:
         if not ids:
@@ -944,6 +961,18 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     out[bytes(r[0])] = (r[1], r[2], r[3], r[4])
         return out
 
+    def inline_data(self, ids: list[bytes]) -> dict[bytes, bytes]:
+        out: dict[bytes, bytes] = {}
+        with self._read() as c:
+            for i in range(0, len(ids), 500):
+                part = ids[i : i + 500]
+                marks = ",".join("?" * len(part))
+                for r in self._x(
+                    c, f"SELECT id, data FROM inline_data WHERE id IN ({marks})", part
+                ).fetchall():
+                    out[bytes(r[0])] = bytes(r[1])
+        return out
+
     def mark_durable(self, ids: list[bytes], stored_lens: list[int] | None = None) -> None:
         with self._tx() as c:
             self._settle(c)  # a journalled chunk's row must exist, or the update is lost
@@ -971,7 +1000,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 c,
                 "SELECT COUNT(*), COALESCE(SUM(raw_len * 1.0), 0), "
                 "COALESCE(SUM(stored_len * 1.0), 0), "
-                f"COALESCE(SUM(CASE WHEN state = {DURABLE} THEN 0 ELSE 1 END), 0) "
+                f"COALESCE(SUM(CASE WHEN state = {STAGED} THEN 1 ELSE 0 END), 0) "
                 "FROM chunks WHERE refcount > 0",
             )
         return VolumeStats(

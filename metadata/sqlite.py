@@ -49,6 +49,10 @@ SCHEMA = [
         rank INTEGER NOT NULL, chunks BLOB NOT NULL, refs BLOB NOT NULL,
         ranks BLOB NOT NULL DEFAULT x'', owned BLOB NOT NULL DEFAULT x'')""",
     "CREATE INDEX IF NOT EXISTS ref_journal_step ON ref_journal (job, step)",
+    # The bytes of INLINE chunks (engine.INLINE_DATA_MAX): deleted with their chunk row. A rowid
+    # table: a WITHOUT ROWID row over ~4 KB (of a 16 KB page) spills into an overflow page
+    # of its own, a 16 KB page for each 4 KiB file; here rows share the table's last page.
+    """CREATE TABLE IF NOT EXISTS inline_data (id BLOB PRIMARY KEY, data BLOB NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS xattrs (
         ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
         PRIMARY KEY (ino, name)) WITHOUT ROWID""",

@@ -45,7 +45,9 @@ def test_clean_volume_has_no_problems(filled, capsys):
     rc, rep = fsck_json(capsys, vol)
     assert rc == 0
     assert rep["problems"] == []
-    assert rep["chunks"] == 6 and rep["objects"] == 12 and rep["replicas_read"] == 12
+    # the 123-byte tail chunk is inline: its bytes are in the metadata, on no node
+    assert rep["chunks"] == 6 and rep["objects"] == 10 and rep["replicas_read"] == 10
+    assert rep["inline_chunks"] == 1
 
 
 def test_deleted_replica_found_and_repaired(filled, capsys):
@@ -132,6 +134,47 @@ def test_chunk_lost_everywhere_is_named_not_repaired(filled, capsys):
     assert main(["fsck", vol.base_dir]) == 1
     out = capsys.readouterr().out
     assert "dangling_extent" in out and "used by /d/a.bin" in out and "NOT repaired" in out
+
+
+def test_bad_inline_chunk_is_named_and_never_read(filled, capsys):
+    """An inline chunk's bytes are in the metadata, their one copy: bytes that no longer
+    match the id, or are gone, are reported with the file, and a read fails instead of
+    returning them."""
+    import sqlite3
+
+    from chunkstore.store import ChunkUnavailable
+
+    vol, data = filled
+    tail = vol.meta.get_extents(vol.resolve("/d/a.bin").ino)[-1]
+    assert tail.length == 123 and vol.meta.chunk_info([tail.chunk_id])[tail.chunk_id][3] == 2
+    assert vol.read_file("/d/a.bin") == data
+    db = sqlite3.connect(vol.meta.path)
+    db.execute("UPDATE inline_data SET data = ? WHERE id = ?", (b"x" * 123, tail.chunk_id))
+    db.commit()
+    rc, rep = fsck_json(capsys, vol, "--repair")
+    assert rc == 1 and kinds(rep) == ["bad_inline"]
+    (p,) = rep["problems"]
+    assert p["chunk"] == tail.chunk_id.hex() and p["files"] == ["/d/a.bin"]
+    assert "do not match" in p["detail"] and not p["repaired"]
+    with pytest.raises(ChunkUnavailable, match="corrupt"):
+        vol.read_file("/d/a.bin")
+    db.execute("DELETE FROM inline_data WHERE id = ?", (tail.chunk_id,))
+    db.commit()
+    db.close()
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 1 and kinds(rep) == ["bad_inline"] and "missing" in rep["problems"][0]["detail"]
+
+
+def test_gc_drops_inline_bytes_with_their_row(make_volume, capsys):
+    vol = make_volume(nodes=3, replicas=2)
+    vol.write_file("/small", b"s" * 1000)
+    cid = vol.meta.get_extents(vol.resolve("/small").ino)[0].chunk_id
+    assert vol.meta.inline_data([cid]) and not any(list(n.list()) for n in vol.store.nodes)
+    vol.unlink("/small")
+    rep = gc(vol, grace=0)
+    assert rep.rows_deleted == 1 and rep.objects_deleted == 0
+    assert vol.meta.inline_data([cid]) == {} and vol.meta.chunk_info([cid]) == {}
+    assert fsck_json(capsys, vol)[1]["problems"] == []
 
 
 def test_wrong_refcount_found_and_fixed(filled, capsys):

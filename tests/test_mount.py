@@ -970,3 +970,66 @@ def test_mmap_writes_and_concurrent_writers_survive_a_remount(new_volume, mount_
     assert _read(m.path("mapped")) == model
     assert _read(m.path("written")) == body
     assert _read(m.path("striped")) == want
+
+
+def test_small_files_are_stored_inline_and_survive_a_kill(new_volume, mount_factory, tmp_path):
+    """Files up to INLINE_DATA_MAX keep their bytes in the metadata: nothing is staged or put on
+    a node for them. Rewrites, partial overwrites, appends across the limit and a kill -9
+    of the daemon keep every closed file; gc drops the bytes of a removed one."""
+    import json
+
+    from fusefs.volume import Volume
+    from metadata.engine import INLINE, INLINE_DATA_MAX
+
+    vol = new_volume()
+    stg = tmp_path / "stg"
+    m = mount_factory(vol, "m1", "--staging", str(stg), "--durability", "local")
+    rng = random.Random(7)
+    want: dict[str, bytes] = {}
+    for i, n in enumerate([1, 100, 4096, 4097, INLINE_DATA_MAX - 1, INLINE_DATA_MAX]):
+        want[f"s{i}"] = rng.randbytes(n)
+        _write(m.path(f"s{i}"), want[f"s{i}"])
+    want["over"] = rng.randbytes(INLINE_DATA_MAX + 1)  # one byte too many: a staged chunk
+    _write(m.path("over"), want["over"])
+    with open(m.path("s2"), "r+b") as f:  # overwrite in the middle of an inline file
+        f.seek(1000)
+        f.write(b"X" * 10)
+    want["s2"] = want["s2"][:1000] + b"X" * 10 + want["s2"][1010:]
+    _write(m.path("s1"), b"grown past the limit" * 1000, "ab")  # an append crossing it
+    want["s1"] += b"grown past the limit" * 1000
+    _write(m.path("s0"), b"rewritten")  # O_TRUNC rewrite of an inline file
+    want["s0"] = b"rewritten"
+    for name, data in want.items():
+        assert _read(m.path(name)) == data, name
+    staged = {p.name for p in (stg / "staged").iterdir()}
+
+    m.proc.send_signal(signal.SIGKILL)
+    m.proc.wait(timeout=30)
+    assert m.cli("umount", m.mp).returncode == 0
+    with Volume.open(vol) as v:
+        states, ids = {}, {}
+        for name in want:
+            ext = v.meta.get_extents(v.resolve("/" + name).ino)
+            info = v.meta.chunk_info([e.chunk_id for e in ext])
+            states[name] = {info[e.chunk_id][3] for e in ext}
+            ids[name] = {e.chunk_id for e in ext}
+        on_nodes = {cid for n in v.store.nodes for cid, _, _ in n.list()}
+    for name in ("s0", "s2", "s3", "s4", "s5"):
+        assert states[name] == {INLINE}, (name, states[name])
+    assert INLINE not in states["over"] and INLINE not in states["s1"]
+    big = ids["over"] | ids["s1"]
+    assert on_nodes <= big and {bytes.fromhex(h) for h in staged} <= big, (on_nodes, staged)
+
+    m = mount_factory(vol, "m2", "--staging", str(stg))  # the same host: adopts the journal
+    for name, data in want.items():
+        assert _read(m.path(name)) == data, f"{name} changed by the kill"
+    os.unlink(m.path("s3"))
+    m.unmount()
+    rep = json.loads(m.cli("fsck", vol, "--json").stdout)
+    # 5 live, plus the replaced contents of s0 and s2 and the removed s3 until gc
+    assert rep["problems"] == [] and rep["inline_chunks"] == 8, rep
+    rep = json.loads(m.cli("gc", vol, "--grace", "0", "--json").stdout)
+    assert rep["rows_deleted"] >= 1 and rep["objects_deleted"] == 0, rep
+    with Volume.open(vol) as v:
+        assert v.meta.inline_data(list(ids["s3"])) == {}
+        assert v.meta.chunk_info(list(ids["s3"])) == {}

@@ -706,3 +706,75 @@ def test_removed_directory_kept_until_forgotten(vol):
     assert replaced.ino == dst.ino and replaced.nlink == 0
     assert m.lookup(ROOT_INO, b"dst").ino == src.ino
     assert m.purge_orphans() == 1
+
+
+def test_inline_chunks_keep_their_bytes_in_the_metadata(vol):
+    """A small chunk committed inline: its bytes come back from inline_data, it counts as
+    stored and not as staged, a chunk row already there is kept, bad records change
+    nothing, and gc drops the bytes with the row."""
+    from chunkstore.ids import chunk_id
+    from metadata.engine import DURABLE, INLINE, INLINE_DATA_MAX
+
+    m = vol.meta
+    f = m.create(ROOT_INO, b"small", stat.S_IFREG | 0o644, 0, 0)
+    data = os.urandom(3000)
+    cid = chunk_id(data, vol.seed)
+    m.commit_file(f.ino, [Extent(0, 3000, cid)], 3000, [NewChunk.inline(cid, data)])
+    assert m.chunk_info([cid]) == {cid: (3000, 3000, 1, INLINE)}
+    assert m.inline_data([cid, _cid(b"none")]) == {cid: data}
+    st = m.stats()
+    assert (st.stored_bytes, st.staged_chunks) == (3000, 0)
+    assert vol.read_file("/small") == data
+
+    # the same bytes committed again (another file): one row, two references
+    g = m.create(ROOT_INO, b"copy", stat.S_IFREG | 0o644, 0, 0)
+    m.commit_file(g.ino, [Extent(0, 3000, cid)], 3000, [NewChunk.inline(cid, data)])
+    assert m.chunk_info([cid])[cid][2] == 2
+
+    # bad records: refused with EINVAL, nothing changed
+    h = m.create(ROOT_INO, b"bad", stat.S_IFREG | 0o644, 0, 0)
+    big = os.urandom(INLINE_DATA_MAX + 1)
+    bad_records = [
+        NewChunk.inline(chunk_id(big, vol.seed), big),  # over INLINE_DATA_MAX
+        NewChunk(_cid(b"x"), 10, 10, INLINE, b"123"),  # bytes shorter than raw_len
+        NewChunk(_cid(b"y"), 3, 3, DURABLE, b"123"),  # bytes on a chunk that is not inline
+        NewChunk(_cid(b"z"), 3, 3, 7),  # no such state
+    ]
+    for rec in bad_records:
+        with pytest.raises(MetaError) as e:
+            m.commit_file(h.ino, [Extent(0, rec.raw_len, rec.chunk_id)], rec.raw_len, [rec])
+        assert e.value.errno == errno.EINVAL
+    assert m.getattr(h.ino).size == 0 and m.get_extents(h.ino) == []
+    assert m.missing_chunks([r.chunk_id for r in bad_records]) == {r.chunk_id for r in bad_records}
+
+    # gc: the bytes go with the last reference's row, not before
+    m.unlink(ROOT_INO, b"small")
+    m.forget_orphan(f.ino)
+    assert m.gc_chunk_rows(0.0) == []
+    assert m.inline_data([cid]) == {cid: data}
+    m.unlink(ROOT_INO, b"copy")
+    m.forget_orphan(g.ino)
+    assert m.gc_chunk_rows(0.0) == [(cid, 3000)]
+    assert m.inline_data([cid]) == {} and m.chunk_info([cid]) == {}
+
+
+def test_an_older_volume_gets_the_inline_table_at_open(tmp_path):
+    """A volume made before inline chunks: opening it makes the table, and a small file
+    written then is stored inline."""
+    import sqlite3
+
+    v = Volume.create(str(tmp_path / "vol"), nodes=2)
+    path = v.meta.path
+    v.close()
+    db = sqlite3.connect(path)
+    db.execute("DROP TABLE inline_data")
+    db.commit()
+    db.close()
+    v = Volume.open(str(tmp_path / "vol"))
+    try:
+        v.write_file("/f", b"tiny")
+        cid = v.meta.get_extents(v.resolve("/f").ino)[0].chunk_id
+        assert v.meta.inline_data([cid]) == {cid: b"tiny"}
+        assert v.read_file("/f") == b"tiny"
+    finally:
+        v.close()

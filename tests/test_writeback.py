@@ -290,6 +290,8 @@ def test_kill9_mid_upload_then_recovery_uploads_everything(vol_path, tmp_path):
         for i, d in enumerate(datas):
             assert plain.read_file(f"/f{i}") == d
             for e in plain.meta.get_extents(plain.resolve(f"/f{i}").ino):
+                if plain.meta.inline_data([e.chunk_id]):
+                    continue  # a small tail: its bytes are in the metadata
                 assert sum(n.exists(e.chunk_id) for n in plain.store.nodes) >= 2
 
 
@@ -416,7 +418,7 @@ vol.close()
 def test_eight_processes_fetch_each_chunk_once(vol_path, tmp_path):
     data = _data(12 * MiB + 5, 42)
     with Volume.open(vol_path) as vol:  # written straight to the nodes: cold for the host
-        vol.write_file("/cold", data)
+        vol.write_file("/cold", data, inline=False)
         n_chunks = len({e.chunk_id for e in vol.meta.get_extents(vol.resolve("/cold").ino)})
     staging, counts, go = (str(tmp_path / n) for n in ("staging", "gets.log", "go"))
     procs = [
@@ -648,7 +650,8 @@ from fusefs.volume import Volume
 vol = Volume.open(sys.argv[1])
 vol.attach_tier(sys.argv[2], size=64 * 2**20, idle_s=600)  # nothing uploads before the kill
 for i in range(6):
-    vol.write_file(f"/small{i}", bytes([i + 1]) * (3000 + 9000 * i))
+    # not inline in the metadata: small chunks through the tier, as a checkpoint's are
+    vol.write_file(f"/small{i}", bytes([i + 1]) * (3000 + 9000 * i), inline=False)
 print("SAVED", flush=True)
 time.sleep(600)
 """
