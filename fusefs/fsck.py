@@ -319,7 +319,7 @@ def check_volume(
             meta.fix_refcounts(fix_counts)
 
     report.staged = sum(row.state == STAGED for row in rows.values())
-    _inline(vol, report, rows, true)
+    _inline(vol, report, rows)
     todo = [
         (cid, row.raw_len, row.state == DURABLE)
         for cid, row in rows.items()
@@ -344,7 +344,7 @@ def check_volume(
     return report
 
 
-def _inline(vol: Volume, report: Report, rows, true) -> None:
+def _inline(vol: Volume, report: Report, rows) -> None:
     """Inline chunks: their bytes must be in the metadata and hash to their id. Nothing
     to repair from (the metadata is their one copy); the problem names the files."""
     ids = [cid for cid, row in rows.items() if row.state == INLINE]

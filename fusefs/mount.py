@@ -448,8 +448,9 @@ class CkptFS(pyfuse3.Operations):
     async def releasedir(self, fh):
         pass
 
+    @handler
     async def fsyncdir(self, fh, datasync):
-        pass
+        await self.meta(self.vol.meta.sync)  # names are in the metadata: make them durable
 
     @handler
     async def statfs(self, ctx):
@@ -622,6 +623,9 @@ class CkptFS(pyfuse3.Operations):
     @handler
     async def fsync(self, fh, datasync):
         await self._commit(self.handles[fh].st)
+        # The commit survives a killed daemon; fsync promises a power cut too, for the
+        # extents (and inline bytes) as the tier's fsync does for the staged chunks.
+        await self.meta(self.vol.meta.sync)
 
     @handler
     async def release(self, fh):

@@ -383,6 +383,11 @@ class MetaEngine(ABC):
     @abstractmethod
     def stats(self) -> VolumeStats: ...
 
+    @abstractmethod
+    def sync(self) -> None:
+        """Make every commit so far survive a power cut, not only a killed process (a
+        file's fsync on the mount: commits are otherwise lazily synced)."""
+
     def close(self) -> None:  # noqa: B027 - optional
         pass
 

@@ -137,6 +137,9 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         """Make every commit so far survive a power cut (after a durable="lazy" commit
         whose outcome turned out to need it). PostgreSQL commits are durable already."""
 
+    def sync(self) -> None:
+        self._durable_point()
+
     def _start_writeback(self) -> None:
         """Start writing what lazy commits left in the OS's cache, without waiting, so
         the `_durable_point` of the publish has only the tail left to write."""

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fusefs.volume import Volume
 from metadata.client import connect
-from metadata.engine import Extent, MetaError, NewChunk
+from metadata.engine import INLINE, Extent, MetaError, NewChunk
 from metadata.protocol import (
     PROTO_VERSION,
     FrameDecoder,
@@ -245,6 +245,31 @@ def test_cli_put_get_ls_stats_checkpoints_over_the_service(served, tmp_path):
     ):
         p = _cli(*args, env=env2)
         assert p.returncode != 0 and "Traceback" not in p.stderr and word in p.stderr, p.stderr
+
+
+def test_inline_chunks_and_sync_over_the_wire(served, tmp_path):
+    """A small file put through the service keeps its bytes in the metadata (sent in the
+    commit), reads back through it, and sync answers; a bad inline record is refused with
+    EINVAL and the service goes on."""
+    url = f"ckptfs://127.0.0.1:{served.port}"
+    env = {"CKPTFS_TOKEN_FILE": served.token_file}
+    src = tmp_path / "tiny.txt"
+    src.write_bytes(b"a small config file\n" * 20)
+    assert _cli("put", url, str(src), "/cfg/tiny.txt", env=env).returncode == 0
+    c = connect(served.url)
+    f = c.lookup(c.lookup(1, b"cfg").ino, b"tiny.txt")
+    (e,) = c.get_extents(f.ino)
+    assert c.inline_data([e.chunk_id]) == {e.chunk_id: src.read_bytes()}
+    assert c.chunk_info([e.chunk_id])[e.chunk_id][3] == INLINE
+    out = tmp_path / "back.txt"
+    assert _cli("get", url, "/cfg/tiny.txt", str(out), env=env).returncode == 0
+    assert out.read_bytes() == src.read_bytes()
+    c.sync()
+    bad = NewChunk(b"b" * 16, 3, 3, INLINE, b"12")  # two bytes for a raw length of three
+    with pytest.raises(MetaError) as err:
+        c.commit_file(f.ino, [Extent(0, 3, bad.chunk_id)], 3, [bad])
+    assert err.value.errno == errno.EINVAL
+    assert c.get_extents(f.ino) == [e] and c.chunk_info([bad.chunk_id]) == {}
 
 
 def test_manifest_encoded_from_commits_equals_the_engines(tmp_path, meta_server):
