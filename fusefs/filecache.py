@@ -926,8 +926,13 @@ class FileCache:
 
     async def _fetch(self, cid: bytes, slot: _Slot, small: bool) -> None:
         try:
-            slot.data = await trio.to_thread.run_sync(
-                self._get, cid, small, limiter=self.fetch_limiter
+            data = self._unpublished(cid) if small else None
+            slot.data = (
+                data
+                if data is not None
+                else await trio.to_thread.run_sync(
+                    self._get, cid, small, limiter=self.fetch_limiter
+                )
             )
             slot.nbytes = len(slot.data)
             self._cached_bytes += slot.nbytes
@@ -940,6 +945,19 @@ class FileCache:
         finally:
             slot.event.set()
         self._evict(self.cache_max)
+
+    def _unpublished(self, cid: bytes) -> bytes | None:
+        """The bytes of an inline chunk a file of this mount holds but has not committed
+        yet (on the loop, which alone changes `new_chunks`). A sealed block of at most
+        INLINE_DATA_MAX bytes is stored nowhere until its file's commit carries it into
+        the metadata, but the file's extents name it at once: its reads, and the gap
+        reads of the block's next version, come here (they got EIO, and the file could
+        never be committed again)."""
+        for st in self.states.values():
+            rec = st.new_chunks.get(cid)
+            if rec is not None and rec.data:
+                return rec.data
+        return None
 
     def _get(self, cid: bytes, small: bool) -> bytes | memoryview:
         """Worker thread: a chunk's bytes (synced first if we staged it unsynced).

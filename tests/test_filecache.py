@@ -158,3 +158,38 @@ def test_a_block_whose_store_failed_is_kept_and_stored_by_the_next_commit(tmp_pa
         assert vol.read_file("/f") == first + second
     finally:
         vol.close()
+
+
+def test_a_sealed_small_block_reads_back_before_its_commit(tmp_path):
+    """A block of at most INLINE_DATA_MAX bytes sealed by an eviction is stored nowhere
+    until the commit carries it into the metadata, but the file's extents name it at once.
+    Reads of it, and the gap read when the block is written again, must be served from the
+    record the file holds: they returned EIO, and every later commit of the file failed."""
+    from metadata.engine import INLINE, INLINE_DATA_MAX
+
+    vol = Volume.create(str(tmp_path / "vol"))
+    try:
+        attr = vol.write_file("/log.csv", b"")
+        first, more = os.urandom(10 * KiB), os.urandom(3 * KiB)
+        assert len(first) <= INLINE_DATA_MAX
+
+        async def main() -> None:
+            async with trio.open_nursery() as nursery:
+                cache = FileCache(vol, nursery)
+                st = await cache.open_state(attr)
+                await cache.write(st, 0, first)
+                await cache.seal(st, st.blocks[0])  # as an eviction under dirty pressure
+                while st.sealing:
+                    await trio.sleep(0.01)
+                (rec,) = st.new_chunks.values()
+                assert rec.state == INLINE and not vol.meta.inline_data([rec.chunk_id])
+                assert bytes(await cache.read(st, 0, len(first))) == first
+                await cache.write(st, len(first), more)  # block 0 again, its head a gap
+                await cache.commit(st)
+                assert not st.dirty and not st.new_chunks
+                nursery.cancel_scope.cancel()
+
+        trio.run(main)
+        assert vol.read_file("/log.csv") == first + more
+    finally:
+        vol.close()
