@@ -179,8 +179,7 @@ def test_a_sealed_small_block_reads_back_before_its_commit(tmp_path):
                 st = await cache.open_state(attr)
                 await cache.write(st, 0, first)
                 await cache.seal(st, st.blocks[0])  # as an eviction under dirty pressure
-                while st.sealing:
-                    await trio.sleep(0.01)
+                await cache.settle(st)  # waits for the store (no block left to seal)
                 (rec,) = st.new_chunks.values()
                 assert rec.state == INLINE and not vol.meta.inline_data([rec.chunk_id])
                 assert bytes(await cache.read(st, 0, len(first))) == first
