@@ -62,7 +62,7 @@ SCHEMA = [
 
 # Pages of a new database. Every dirty page is a WAL frame, so a small transaction costs
 # about (pages it touches) x PAGE_SIZE: a small file's create and inline commit touch ~6.
-# 4 KB pages: 1,072 new-content 4 KiB files/s in bench.fuse, against 851-882 at 16 KB;
+# 4 KB pages: 965-1,072 new-content 4 KiB files/s in bench.fuse, against 851-882 at 16 KB;
 # a 4096-rank publish (~5 MB per 1024 ranks of inode rows and journal blobs) took 350-369
 # against 312-340 ms in alternating runs, 16,384 ranks the same within noise. 16 KB was
 # the size until inline chunks made small files' commits page-bound.
