@@ -37,7 +37,6 @@ from chunkstore.node import NodeInfo, ObjectNode, open_node, parse_node_url
 from chunkstore.store import ChunkStore, ChunkUnavailable
 from metadata.engine import (
     DURABLE,
-    INLINE,
     INLINE_DATA_MAX,
     ROOT_INO,
     STAGED,
@@ -499,12 +498,7 @@ class Volume:
         try:
             return self._fetch_once(cid, view)
         except ChunkUnavailable as e:
-            state = self._state(cid)
-            if state == INLINE:  # a reader that did not pass `small`: the nodes never had it
-                data = self.inline_chunks([cid]).get(cid)
-                if data is not None:
-                    return data
-            if state != STAGED:
+            if self._state(cid) != STAGED:
                 raise
             first = e
         # Not on the nodes yet: ask the metadata (not the nodes, whose misses log as bad

@@ -87,6 +87,18 @@ def test_a_copied_tail_does_not_alias_a_reused_buffer():
     assert _content(blk) == head + b"abcdefgh"
 
 
+def _run(vol: Volume, attr, body) -> None:
+    """`await body(cache, st)` with a FileCache on `vol` and `attr`'s file opened in it."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            cache = FileCache(vol, nursery)
+            await body(cache, await cache.open_state(attr))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_a_commit_waits_for_a_block_that_another_task_is_sealing(tmp_path):
     """An fsync while an eviction seals the file's partly written block (reading its gaps
     from the old content) must publish that block's writes. It used to go on without the
@@ -99,20 +111,16 @@ def test_a_commit_waits_for_a_block_that_another_task_is_sealing(tmp_path):
         patch = os.urandom(MiB)
         attr = vol.write_file("/f", old)
 
-        async def main() -> None:
-            async with trio.open_nursery() as nursery:
-                cache = FileCache(vol, nursery)
-                st = await cache.open_state(attr)
-                await cache.write(st, MiB, patch)  # block 0, partly written
-                blk = st.blocks[0]
-                nursery.start_soon(cache.seal, st, blk)  # as an eviction does
-                await trio.testing.wait_all_tasks_blocked()
-                assert blk.busy and not st.sealing  # reading its gaps
-                await cache.commit(st)  # the fsync
-                assert not st.dirty and not st.blocks
-                nursery.cancel_scope.cancel()
+        async def body(cache: FileCache, st) -> None:
+            await cache.write(st, MiB, patch)  # block 0, partly written
+            blk = st.blocks[0]
+            cache.nursery.start_soon(cache.seal, st, blk)  # as an eviction does
+            await trio.testing.wait_all_tasks_blocked()
+            assert blk.busy and not st.sealing  # reading its gaps
+            await cache.commit(st)  # the fsync
+            assert not st.dirty and not st.blocks
 
-        trio.run(main)
+        _run(vol, attr, body)
         want = old[:MiB] + patch + old[2 * MiB :]
         assert vol.read_file("/f") == want
     finally:
@@ -139,22 +147,18 @@ def test_a_block_whose_store_failed_is_kept_and_stored_by_the_next_commit(tmp_pa
         vol.meta.missing_chunks = missing_chunks  # type: ignore[method-assign]
         first, second = os.urandom(4 * MiB), os.urandom(MiB)
 
-        async def main() -> None:
-            async with trio.open_nursery() as nursery:
-                cache = FileCache(vol, nursery)
-                st = await cache.open_state(attr)
-                await cache.write(st, 0, first)  # a whole block: sealed and stored at once
-                await cache.write(st, 4 * MiB, second)
-                with pytest.raises(FileError) as e:
-                    await cache.commit(st)  # the close while the service is down
-                assert e.value.errno == errno.EIO
-                assert st.dirty and 0 in st.blocks  # kept
-                down[0] = False
-                await cache.commit(st)  # the service is back: the next close stores it
-                assert not st.dirty and not st.blocks
-                nursery.cancel_scope.cancel()
+        async def body(cache: FileCache, st) -> None:
+            await cache.write(st, 0, first)  # a whole block: sealed and stored at once
+            await cache.write(st, 4 * MiB, second)
+            with pytest.raises(FileError) as e:
+                await cache.commit(st)  # the close while the service is down
+            assert e.value.errno == errno.EIO
+            assert st.dirty and 0 in st.blocks  # kept
+            down[0] = False
+            await cache.commit(st)  # the service is back: the next close stores it
+            assert not st.dirty and not st.blocks
 
-        trio.run(main)
+        _run(vol, attr, body)
         assert vol.read_file("/f") == first + second
     finally:
         vol.close()
@@ -173,22 +177,18 @@ def test_a_sealed_small_block_reads_back_before_its_commit(tmp_path):
         first, more = os.urandom(10 * KiB), os.urandom(3 * KiB)
         assert len(first) <= INLINE_DATA_MAX
 
-        async def main() -> None:
-            async with trio.open_nursery() as nursery:
-                cache = FileCache(vol, nursery)
-                st = await cache.open_state(attr)
-                await cache.write(st, 0, first)
-                await cache.seal(st, st.blocks[0])  # as an eviction under dirty pressure
-                await cache.settle(st)  # waits for the store (no block left to seal)
-                (rec,) = st.new_chunks.values()
-                assert rec.state == INLINE and not vol.meta.inline_data([rec.chunk_id])
-                assert bytes(await cache.read(st, 0, len(first))) == first
-                await cache.write(st, len(first), more)  # block 0 again, its head a gap
-                await cache.commit(st)
-                assert not st.dirty and not st.new_chunks
-                nursery.cancel_scope.cancel()
+        async def body(cache: FileCache, st) -> None:
+            await cache.write(st, 0, first)
+            await cache.seal(st, st.blocks[0])  # as an eviction under dirty pressure
+            await cache.settle(st)  # waits for the store (no block left to seal)
+            (rec,) = st.new_chunks.values()
+            assert rec.state == INLINE and not vol.meta.inline_data([rec.chunk_id])
+            assert bytes(await cache.read(st, 0, len(first))) == first
+            await cache.write(st, len(first), more)  # block 0 again, its head a gap
+            await cache.commit(st)
+            assert not st.dirty and not st.new_chunks
 
-        trio.run(main)
+        _run(vol, attr, body)
         assert vol.read_file("/log.csv") == first + more
     finally:
         vol.close()

@@ -638,22 +638,29 @@ def test_blocks_count_stored_bytes_not_holes(vol):
     assert (holey.size, holey.alloc, holey.blocks) == (3 * g, 512, 1)
 
 
+def _made_older(v: Volume, ddl: str) -> str:
+    """Close `v` and undo a schema change in its SQLite database, as a volume made before
+    it; returns the database path."""
+    import sqlite3
+
+    path = v.meta.path
+    v.close()
+    db = sqlite3.connect(path)
+    db.execute(ddl)
+    db.commit()
+    db.close()
+    return path
+
+
 def test_an_older_volume_gets_the_alloc_column_at_open(tmp_path):
     """A volume made before inodes.alloc: opening it adds the column; its files report
     st_blocks from their size until they are written again."""
-    import sqlite3
-
     from metadata.sqlite import SqliteEngine
 
     v = Volume.create(str(tmp_path / "vol"), nodes=2)
     f = v.meta.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
     v.meta.setattr(f.ino, size=10_000)
-    path = v.meta.path
-    v.close()
-    db = sqlite3.connect(path)
-    db.execute("ALTER TABLE inodes DROP COLUMN alloc")
-    db.commit()
-    db.close()
+    path = _made_older(v, "ALTER TABLE inodes DROP COLUMN alloc")
     m = SqliteEngine(path)
     a = m.getattr(f.ino)
     assert (a.size, a.alloc, a.blocks) == (10_000, -1, 20)
@@ -761,15 +768,7 @@ def test_inline_chunks_keep_their_bytes_in_the_metadata(vol):
 def test_an_older_volume_gets_the_inline_table_at_open(tmp_path):
     """A volume made before inline chunks: opening it makes the table, and a small file
     written then is stored inline."""
-    import sqlite3
-
-    v = Volume.create(str(tmp_path / "vol"), nodes=2)
-    path = v.meta.path
-    v.close()
-    db = sqlite3.connect(path)
-    db.execute("DROP TABLE inline_data")
-    db.commit()
-    db.close()
+    _made_older(Volume.create(str(tmp_path / "vol"), nodes=2), "DROP TABLE inline_data")
     v = Volume.open(str(tmp_path / "vol"))
     try:
         v.write_file("/f", b"tiny")
