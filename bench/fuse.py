@@ -17,7 +17,8 @@ what to compare:
 
 After each write through the mount, the write-behind tier is drained (untimed, reported as
 `*_drain_s`) so its background upload to the nodes, which share the disk, slows neither the
-next baseline nor the mount's own next phase. `daemon_cpu_s_*` is the daemon's CPU time per
+next baseline nor the mount's own next phase, and every timed phase starts after a sync(),
+so none pays for an earlier one's dirty pages. `daemon_cpu_s_*` is the daemon's CPU time per
 phase and `loadavg` the machine's load: on a shared 2-core machine they explain the noise.
 """
 
@@ -96,6 +97,7 @@ def drop_caches() -> bool:
 
 
 def seq_write(path: str, data: memoryview) -> float:
+    os.sync()  # no earlier phase's dirty pages written back during this one
     t = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -188,6 +190,7 @@ def save_all(states, directory: str, tag: str) -> float:
         except BaseException as e:
             errors.append(e)
 
+    os.sync()
     t = time.perf_counter()
     ts = [threading.Thread(target=one, args=(i,)) for i in range(len(states))]
     for th in ts:
@@ -213,6 +216,7 @@ def small_files(directory: str, n: int, *, unique: bool = True, fsync: bool = Fa
     is fsync'd before close (the durability a close has on the mount's local tier)."""
     os.makedirs(directory, exist_ok=True)
     payload = bytearray(os.urandom(4096))
+    os.sync()
     t = time.perf_counter()
     for i in range(n):
         if unique:

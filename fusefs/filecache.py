@@ -51,7 +51,15 @@ import trio
 from chunkstore import codec
 from chunkstore.ids import pieces_id
 from fusefs.volume import Volume, maybe_inline
-from metadata.engine import INLINE_DATA_MAX, Attr, Extent, MetaError, NewChunk, UnknownChunks
+from metadata.engine import (
+    INLINE,
+    INLINE_DATA_MAX,
+    Attr,
+    Extent,
+    MetaError,
+    NewChunk,
+    UnknownChunks,
+)
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -146,6 +154,7 @@ PIECE_MIN = 64 * 1024  # smaller appends are copied: many tiny pieces cost more 
 # piece of its own keeps the block's big pieces uncopied; materializing the block there cost
 # a 4 MiB copy per block.
 PIECES_MAX = 64
+RECORDS_MAX = 64  # inline records a file holds before superseded ones are dropped
 
 
 class Pieces:
@@ -335,6 +344,7 @@ class FileState:
     mtime_ns: int = 0
     read_end: int = -1
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
+    records_max: int = RECORDS_MAX  # past this many new_chunks: drop_superseded_inline
     _starts: list[int] | None = None
     _stored: int | None = None  # bytes the extents map (what a commit records as alloc)
 
@@ -368,6 +378,31 @@ class FileState:
         self.extents = extents
         self._starts = None
         self._stored = None
+
+    def drop_superseded_inline(self) -> None:
+        """Forget the records of inline chunks no extent names any more.
+
+        An inline record holds its chunk's bytes until the file's commit, which alone
+        drops records. A small block sealed again and again under dirty pressure (each
+        time a new version) piled up a record per seal: 16 KiB of memory each, and a
+        commit over the service that outgrew the frame limit and could never succeed.
+        Such a record is needed by no one: its bytes are stored nowhere else, so nothing
+        is left behind. (A staged record stays: its object is in the tier, and the commit
+        registers it so that gc can collect it.) Runs when the records double, so a file
+        of many small blocks, all still named, does not rescan its extents at every seal."""
+        named = {e.chunk_id for e in self.extents}
+        for cid, rec in list(self.new_chunks.items()):
+            if rec.state == INLINE and cid not in named:
+                del self.new_chunks[cid]
+        self.records_max = max(RECORDS_MAX, 2 * len(self.new_chunks))
+
+    def records(self) -> dict[bytes, NewChunk]:
+        """A copy of the records a commit carries, superseded inline ones dropped first
+        (they would only register chunks nothing names). A single inline record is the
+        common case (a file's small tail) and is carried as it is."""
+        if sum(r.state == INLINE for r in self.new_chunks.values()) > 1:
+            self.drop_superseded_inline()
+        return dict(self.new_chunks)
 
     def touch(self) -> None:
         self.version += 1
@@ -587,6 +622,8 @@ class FileCache:
             st.set_extents(splice(st.extents, lo, lo + len(data), [Extent(lo, len(data), cid, 0)]))
             if rec is not None:
                 st.new_chunks[cid] = rec
+                if len(st.new_chunks) > st.records_max:
+                    st.drop_superseded_inline()
         finally:
             st.sealing.pop(idx, None)
             self.inflight_bytes -= len(data)
@@ -707,7 +744,7 @@ class FileCache:
             # their writes are not in these extents, so the file stays dirty for the next one.
             complete = not st.blocks and not st.sealing
             extents = clip(st.extents, size)
-            chunks = dict(st.new_chunks)
+            chunks = st.records()
             attr = await self.meta(
                 self._publish, st.ino, extents, size, list(chunks.values()), st.mtime_ns
             )
@@ -736,7 +773,7 @@ class FileCache:
             self.pool.put(blk.buf)
         st.sealing[idx] = memoryview(data)
         version, size, mtime_ns = st.version, st.size, st.mtime_ns
-        chunks = dict(st.new_chunks)
+        chunks = st.records()
         base = st.extents
 
         known: tuple[bytes, Attr] | None = None

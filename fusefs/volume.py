@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import errno
 import json
+import logging
 import os
 import secrets
 import stat
@@ -37,6 +38,7 @@ from chunkstore.node import NodeInfo, ObjectNode, open_node, parse_node_url
 from chunkstore.store import ChunkStore, ChunkUnavailable
 from metadata.engine import (
     DURABLE,
+    INLINE,
     INLINE_DATA_MAX,
     ROOT_INO,
     STAGED,
@@ -47,6 +49,8 @@ from metadata.engine import (
     NewChunk,
     check_name,
 )
+
+log = logging.getLogger("ckptfs.volume")
 
 VOLUME_FILE = "volume.json"
 FORMAT_VERSION = 1
@@ -468,13 +472,15 @@ class Volume:
 
     def inline_chunks(self, ids: list[bytes]) -> dict[bytes, bytes]:
         """The verified bytes of those of these chunks stored inline in the metadata (one
-        query). Only chunks of small extents (`maybe_inline`) are worth asking about."""
+        query). Only chunks of small extents (`maybe_inline`) are worth asking about.
+        Bytes that do not hash to their id are left out (and logged): the caller then
+        reads the chunk like any other, from the nodes, and fails there if they have no
+        copy either (fetch_chunk names the corrupt inline bytes then)."""
         found = self.meta.inline_data(ids) if ids else {}
-        for cid, data in found.items():
+        for cid, data in list(found.items()):
             if chunk_id(data, self.seed) != cid:
-                raise ChunkUnavailable(
-                    f"inline chunk {cid.hex()} is corrupt in the metadata (`ckptfs fsck`)"
-                )
+                log.error("inline chunk %s is corrupt in the metadata (`ckptfs fsck`)", cid.hex())
+                del found[cid]
         return found
 
     def fetch_chunk(
@@ -498,7 +504,13 @@ class Volume:
         try:
             return self._fetch_once(cid, view)
         except ChunkUnavailable as e:
-            if self._state(cid) != STAGED:
+            state = self._state(cid)
+            if state == INLINE:  # its bytes are in the metadata, and were not good there
+                raise ChunkUnavailable(
+                    f"inline chunk {cid.hex()} is missing or corrupt in the metadata "
+                    f"(`ckptfs fsck`)"
+                ) from None
+            if state != STAGED:
                 raise
             first = e
         # Not on the nodes yet: ask the metadata (not the nodes, whose misses log as bad

@@ -19,6 +19,8 @@ import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from chunkstore.ids import chunk_id
+
 ROOT_INO = 1
 NAME_MAX = 255
 RENAME_NOREPLACE = 1
@@ -187,11 +189,23 @@ def chunk_lengths_ok(raw_len: int, stored_len: int) -> bool:
     return 0 < raw_len < MAX_CHUNK_BYTES and 0 < stored_len < MAX_CHUNK_BYTES
 
 
-def check_new_chunks(chunks: list[NewChunk]) -> None:
-    """Lengths in range; an INLINE chunk carries exactly its raw bytes (at most INLINE_DATA_MAX),
-    any other none. (Its id is checked against its bytes where they are read.)"""
+def check_new_chunks(chunks: list[NewChunk], seed: int | None = None) -> None:
+    """Types and lengths in range; an INLINE chunk carries exactly its raw bytes (at most
+    INLINE_DATA_MAX), any other none. With the volume's `seed`, inline bytes must hash to
+    their id: the metadata is their only copy, and a row keeps the first bytes it was given
+    (ON CONFLICT DO NOTHING), so bytes that do not match would hide the chunk from every
+    other file naming that id."""
     for ch in chunks:
-        if not chunk_lengths_ok(ch.raw_len, ch.stored_len) or len(ch.chunk_id) != 16:
+        if not (
+            isinstance(ch.chunk_id, bytes)
+            and len(ch.chunk_id) == 16
+            and type(ch.raw_len) is int
+            and type(ch.stored_len) is int
+            and type(ch.state) is int
+            and isinstance(ch.data, bytes)
+        ):
+            raise MetaError(errno.EINVAL, f"malformed new chunk record {ch!r:.120}")
+        if not chunk_lengths_ok(ch.raw_len, ch.stored_len):
             raise MetaError(errno.EINVAL, f"bad length in new chunk {ch.chunk_id.hex()}")
         if ch.state == INLINE:
             n = len(ch.data)
@@ -200,6 +214,10 @@ def check_new_chunks(chunks: list[NewChunk]) -> None:
                     errno.EINVAL,
                     f"inline chunk {ch.chunk_id.hex()}: {n} bytes for a raw length of "
                     f"{ch.raw_len} (at most {INLINE_DATA_MAX})",
+                )
+            if seed is not None and chunk_id(ch.data, seed) != ch.chunk_id:
+                raise MetaError(
+                    errno.EINVAL, f"inline chunk {ch.chunk_id.hex()}: its bytes do not match its id"
                 )
         elif ch.state not in (STAGED, DURABLE) or ch.data:
             raise MetaError(errno.EINVAL, f"bad state {ch.state} of new chunk {ch.chunk_id.hex()}")

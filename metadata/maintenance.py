@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from metadata.checkpoints import blob_chunk_ids
-from metadata.engine import ChunkRow
+from metadata.engine import ChunkRow, check_new_chunks
 
 
 class MaintenanceMixin:
@@ -212,6 +212,7 @@ class MaintenanceMixin:
 
     def register_chunk_rows(self, chunks: list, refcounts: dict[bytes, int]) -> None:
         """Re-create rows for chunks found on nodes but missing from the table (fsck)."""
+        check_new_chunks(chunks, self._chunk_seed())  # type: ignore[attr-defined]
         now = time.time_ns()
         with self._tx() as c:  # type: ignore[attr-defined]
             self._settle(c)  # type: ignore[attr-defined]

@@ -240,6 +240,15 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         with self._tx() as c:
             self._x(c, "UPDATE config SET value = ? WHERE key = 'volume'", (json.dumps(config),))
 
+    _seed: int | None = None
+
+    def _chunk_seed(self) -> int:
+        """The volume's chunk-id seed (fixed when it was formatted), to check inline bytes
+        against their ids."""
+        if self._seed is None:
+            self._seed = int(self.get_config()["seed"])
+        return self._seed
+
     # -- helpers -----------------------------------------------------------
     def _getattr(self, c: Any, ino: int) -> Attr:
         row = self._one(c, f"SELECT {_ATTR_COLS} FROM inodes WHERE ino = ?", (ino,))
@@ -863,7 +872,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         mtime_ns: int | None = None,
     ) -> Attr:
         check_extents(extents, size)
-        check_new_chunks(new_chunks)
+        check_new_chunks(new_chunks, self._chunk_seed())
         with self._tx() as c:
             row = self._one(c, f"SELECT {_ATTR_COLS}, extents FROM inodes WHERE ino = ?", (ino,))
             if row is None:
@@ -891,6 +900,11 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             )
 
     def _register_chunks(self, c: Any, chunks: list[NewChunk], now: int) -> None:
+        """Rows for new chunks; a row already there keeps its state, except that a chunk
+        only staged so far is durable once a writer stored it on the nodes. Inline bytes
+        are kept only for a row that is INLINE: content that matches a chunk already on the
+        nodes (or staged) is just another reference to it, so `inline_data` holds bytes
+        exactly for INLINE rows, and a reader never has two copies to choose between."""
         if not chunks:
             return
         c.executemany(
@@ -902,12 +916,17 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         )
         durable = [(ch.chunk_id,) for ch in chunks if ch.state == DURABLE]
         if durable:
-            c.executemany(self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), durable)
-        inline = [(ch.chunk_id, ch.data) for ch in chunks if ch.state == INLINE]
-        if inline:  # a row already there holds the same bytes (its id says so)
+            c.executemany(
+                self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ? AND state = {STAGED}"),
+                durable,
+            )
+        inline = [(ch.chunk_id, ch.data, ch.chunk_id) for ch in chunks if ch.state == INLINE]
+        if inline:  # a row already there holds the same bytes (their id was checked)
             c.executemany(
                 self._q(
-                    "INSERT INTO inline_data (id, data) VALUES (?,?) ON CONFLICT (id) DO NOTHING"
+                    "INSERT INTO inline_data (id, data) SELECT ?, ? WHERE EXISTS "
+                    f"(SELECT 1 FROM chunks WHERE id = ? AND state = {INLINE}) "
+                    "ON CONFLICT (id) DO NOTHING"
                 ),
                 inline,
             )
@@ -977,16 +996,21 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         return out
 
     def mark_durable(self, ids: list[bytes], stored_lens: list[int] | None = None) -> None:
+        """STAGED chunks are on their nodes now. Only STAGED ones change: an INLINE row
+        stays INLINE even if some host also uploaded those bytes (a writer that staged the
+        same content before the inline commit): its bytes are in the metadata either way,
+        and fsck must not look for it on the nodes."""
         with self._tx() as c:
             self._settle(c)  # a journalled chunk's row must exist, or the update is lost
-            c.executemany(
-                self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ?"), [(i,) for i in ids]
-            )
             if stored_lens is not None:  # compressed at upload: the size on the nodes
                 c.executemany(
-                    self._q("UPDATE chunks SET stored_len = ? WHERE id = ?"),
+                    self._q(f"UPDATE chunks SET stored_len = ? WHERE id = ? AND state = {STAGED}"),
                     [(n, i) for i, n in zip(ids, stored_lens, strict=True) if n > 0],
                 )
+            c.executemany(
+                self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ? AND state = {STAGED}"),
+                [(i,) for i in ids],
+            )
 
     def stats(self) -> VolumeStats:
         self.apply_pending()

@@ -18,7 +18,7 @@ import sqlite3
 import threading
 from typing import Any
 
-from chunkstore.fileio import start_writeback
+from chunkstore.fileio import fsync_dir, start_writeback
 from metadata.sqlbase import SqlEngine
 
 SCHEMA = [
@@ -181,8 +181,22 @@ class SqliteEngine(SqlEngine):
         except OSError:
             return 0
 
+    _wal_named: int | None = None  # inode of the WAL whose directory entry is durable
+
     def _sync_wal(self) -> None:
-        self._on_wal(os.fsync)
+        self._on_wal(self._fsync_wal)
+
+    def _fsync_wal(self, fd: int) -> None:
+        """fsync the WAL, and its directory the first time this WAL file is synced here:
+        SQLite syncs the directory of a WAL it created only on its own first sync of it,
+        which a lazy commit never makes, so a WAL made since (a new one after the last
+        connection closed removed the old) could vanish in a power cut, fsync'd content
+        and all."""
+        os.fsync(fd)
+        ino = os.fstat(fd).st_ino
+        if ino != self._wal_named:
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            self._wal_named = ino
 
     def _on_wal(self, fn) -> None:
         """fn(fd) on the WAL file; nothing if checkpointed and removed (the database file

@@ -192,3 +192,36 @@ def test_a_sealed_small_block_reads_back_before_its_commit(tmp_path):
         assert vol.read_file("/log.csv") == first + more
     finally:
         vol.close()
+
+
+def test_records_of_superseded_small_blocks_are_dropped_before_the_commit(tmp_path):
+    """A small block sealed again and again (each time under dirty pressure, each time a
+    new version) kept a record, with its bytes, per seal until the next commit: memory grew
+    16 KiB a seal, and over the service such a commit outgrew the frame limit and failed
+    for good. Records no extent names any more are dropped; the commit stores the last
+    version, and the chunks of the versions before it are stored nowhere."""
+    from fusefs.filecache import RECORDS_MAX
+
+    vol = Volume.create(str(tmp_path / "vol"))
+    try:
+        attr = vol.write_file("/f", b"")
+        versions = [os.urandom(8 * KiB) for _ in range(3 * RECORDS_MAX)]
+
+        async def body(cache: FileCache, st) -> None:
+            most = 0
+            for data in versions:
+                await cache.write(st, 0, data)
+                await cache.seal(st, st.blocks[0])
+                await cache.settle(st)
+                most = max(most, len(st.new_chunks))
+            assert most <= RECORDS_MAX + 1
+            assert bytes(await cache.read(st, 0, len(versions[-1]))) == versions[-1]
+            await cache.commit(st)
+            assert not st.dirty and not st.new_chunks
+
+        _run(vol, attr, body)
+        assert vol.read_file("/f") == versions[-1]
+        old = vol.hash_many(versions[:-1])
+        assert vol.meta.missing_chunks(old) == set(old)
+    finally:
+        vol.close()

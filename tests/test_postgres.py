@@ -8,6 +8,7 @@ import stat
 
 import pytest
 
+from chunkstore.store import ChunkUnavailable
 from fusefs.volume import Volume
 from metadata.client import connect
 from metadata.engine import ROOT_INO, Extent, MetaError, NewChunk
@@ -765,11 +766,95 @@ def test_inline_chunks_keep_their_bytes_in_the_metadata(vol):
     assert m.inline_data([cid]) == {} and m.chunk_info([cid]) == {}
 
 
-def test_an_older_volume_gets_the_inline_table_at_open(tmp_path):
+def test_inline_bytes_are_checked_and_kept_only_for_inline_rows(vol):
+    """The metadata is an inline chunk's only copy, and a row keeps the first bytes it
+    got: bytes that do not hash to their id, or records of the wrong types, are refused
+    with nothing changed (they hid the chunk from every file naming it, fsck saw nothing).
+    Content matching a chunk already on the nodes or staged is a reference to it, with no
+    second copy in the metadata, and an inline row never turns durable."""
+    from chunkstore.ids import chunk_id
+    from metadata.engine import DURABLE, INLINE, STAGED
+
+    m = vol.meta
+    h = m.create(ROOT_INO, b"h", stat.S_IFREG | 0o644, 0, 0)
+    data = os.urandom(100)
+    cid = chunk_id(data, vol.seed)
+    wrong = [
+        NewChunk.inline(cid, os.urandom(100)),  # bytes that are not the id's
+        NewChunk(cid, 3, 3, INLINE, "abc"),  # text, not bytes
+        NewChunk(cid.hex()[:16], 100, 100, INLINE, data),  # an id that is text
+        NewChunk(cid, "100", 100, INLINE, data),  # a length that is text
+    ]
+    for rec in wrong:
+        with pytest.raises(MetaError) as e:
+            m.commit_file(h.ino, [Extent(0, 100, cid)], 100, [rec])
+        assert e.value.errno == errno.EINVAL
+        with pytest.raises(MetaError) as e:
+            m.register_chunk_rows([rec], {})
+        assert e.value.errno == errno.EINVAL
+    assert m.getattr(h.ino).size == 0 and m.missing_chunks([cid]) == {cid}
+    assert m.inline_data([cid]) == {}
+
+    # a chunk already on the nodes: the small file's record only adds a reference
+    on_nodes = os.urandom(200)
+    dcid = chunk_id(on_nodes, vol.seed)
+    m.commit_file(h.ino, [Extent(0, 200, dcid)], 200, [NewChunk(dcid, 200, 200, DURABLE)])
+    g = m.create(ROOT_INO, b"g", stat.S_IFREG | 0o644, 0, 0)
+    m.commit_file(g.ino, [Extent(0, 200, dcid)], 200, [NewChunk.inline(dcid, on_nodes)])
+    assert m.chunk_info([dcid]) == {dcid: (200, 200, 2, DURABLE)}
+    assert m.inline_data([dcid]) == {}
+
+    # staged, then durable; an inline row stays inline whatever says it is durable
+    s = m.create(ROOT_INO, b"s", stat.S_IFREG | 0o644, 0, 0)
+    scid = _cid(b"staged")
+    m.commit_file(s.ino, [Extent(0, 50, scid)], 50, [NewChunk(scid, 50, 50, STAGED)])
+    i = m.create(ROOT_INO, b"i", stat.S_IFREG | 0o644, 0, 0)
+    m.commit_file(i.ino, [Extent(0, 100, cid)], 100, [NewChunk.inline(cid, data)])
+    m.mark_durable([scid, cid], [40, 60])
+    assert m.chunk_info([scid, cid]) == {scid: (50, 40, 1, DURABLE), cid: (100, 100, 1, INLINE)}
+    m.commit_file(g.ino, [Extent(0, 100, cid)], 100, [NewChunk(cid, 100, 100, DURABLE)])
+    assert m.chunk_info([cid])[cid][3] == INLINE and m.inline_data([cid]) == {cid: data}
+
+
+def test_a_bad_inline_copy_does_not_hide_the_chunk_on_the_nodes(vol):
+    """A copy in `inline_data` beside a chunk on the nodes (as an earlier version kept for
+    small files whose content was already stored) whose bytes went bad: readers of small
+    extents asked the metadata first and failed on it, though two good replicas were on
+    the nodes. They read the nodes instead. A bad copy of an inline chunk, which has no
+    other, is an error that names the metadata."""
+    from fusefs.volume import FileWriter
+    from metadata.engine import INLINE
+
+    data = os.urandom(3000)
+    w = FileWriter(vol, 0, inline=False)  # stored on the nodes, as DCP ranks do
+    w.write(data)
+    w.close(commit=False)
+    f = vol.meta.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
+    vol.meta.commit_file(f.ino, w.extents, w.size, list(w.new_chunks.values()))
+    (cid,) = w.new_chunks
+    with vol.meta._tx() as c:  # the stray copy, damaged
+        vol.meta._x(c, "INSERT INTO inline_data (id, data) VALUES (?, ?)", (cid, b"x" * 3000))
+    assert vol.inline_chunks([cid]) == {}
+    assert bytes(vol.fetch_chunk(cid, small=True)) == data
+    assert vol.read_file("/f") == data
+
+    g = vol.meta.create(ROOT_INO, b"g", stat.S_IFREG | 0o644, 0, 0)
+    tiny = os.urandom(100)
+    t = NewChunk.inline(vol.hash_many([tiny])[0], tiny)
+    vol.meta.commit_file(g.ino, [Extent(0, 100, t.chunk_id)], 100, [t])
+    assert vol.meta.chunk_info([t.chunk_id])[t.chunk_id][3] == INLINE
+    with vol.meta._tx() as c:
+        vol.meta._x(c, "UPDATE inline_data SET data = ? WHERE id = ?", (b"y" * 100, t.chunk_id))
+    with pytest.raises(ChunkUnavailable, match="inline chunk .* corrupt in the metadata"):
+        vol.fetch_chunk(t.chunk_id, small=True)
+
+
+def test_an_older_volume_gets_the_inline_table_at_open(vol):
     """A volume made before inline chunks: opening it makes the table, and a small file
     written then is stored inline."""
-    _made_older(Volume.create(str(tmp_path / "vol"), nodes=2), "DROP TABLE inline_data")
-    v = Volume.open(str(tmp_path / "vol"))
+    with vol.meta._tx() as c:
+        vol.meta._x(c, "DROP TABLE inline_data")
+    v = Volume.open(vol.base_dir)
     try:
         v.write_file("/f", b"tiny")
         cid = v.meta.get_extents(v.resolve("/f").ino)[0].chunk_id
@@ -781,8 +866,10 @@ def test_an_older_volume_gets_the_inline_table_at_open(tmp_path):
 
 def test_sync_makes_lazy_commits_durable(vol, monkeypatch):
     """A file commit is lazy on SQLite (the WAL is not fsync'd: it survives a killed
-    process); sync(), which the mount's fsync calls, fsyncs the WAL. PostgreSQL commits
-    are durable already: sync is a no-op there."""
+    process); sync(), which the mount's fsync calls, fsyncs the WAL, and the first time
+    for a WAL file its directory too (SQLite syncs the directory of a WAL it made only at
+    its own first sync of it). PostgreSQL commits are durable already: sync changes
+    nothing there. Either way another connection sees the commit."""
     import metadata.sqlite
 
     synced: list[str] = []
@@ -797,8 +884,20 @@ def test_sync_makes_lazy_commits_durable(vol, monkeypatch):
     vol.meta.commit_file(f.ino, [], 10, [])
     lazy = list(synced)
     vol.meta.sync()
+    first = synced[len(lazy) :]
+    vol.meta.commit_file(f.ino, [], 20, [])
+    mark = len(synced)
+    vol.meta.sync()
+    again = synced[mark:]
     if vol.meta.__class__.__name__ == "SqliteEngine":
-        assert not any(p.endswith("-wal") for p in lazy), lazy
-        assert synced[len(lazy) :] == [vol.meta.path + "-wal"]
+        wal = vol.meta.path + "-wal"
+        assert wal not in lazy, lazy
+        assert first == [wal, os.path.dirname(wal)]
+        assert again == [wal]
     else:
-        assert synced == []
+        assert first == again == []
+    other = Volume.open(vol.base_dir)
+    try:
+        assert other.meta.getattr(f.ino).size == 20
+    finally:
+        other.close()

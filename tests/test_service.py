@@ -249,8 +249,9 @@ def test_cli_put_get_ls_stats_checkpoints_over_the_service(served, tmp_path):
 
 def test_inline_chunks_and_sync_over_the_wire(served, tmp_path):
     """A small file put through the service keeps its bytes in the metadata (sent in the
-    commit), reads back through it, and sync answers; a bad inline record is refused with
-    EINVAL and the service goes on."""
+    commit), reads back through it, and sync answers; a bad inline record (bytes that are
+    not its raw length, bytes that are not its id's, a client's claim on the id of a
+    chunk another file stored) is refused with EINVAL and the service goes on."""
     url = f"ckptfs://127.0.0.1:{served.port}"
     env = {"CKPTFS_TOKEN_FILE": served.token_file}
     src = tmp_path / "tiny.txt"
@@ -265,11 +266,16 @@ def test_inline_chunks_and_sync_over_the_wire(served, tmp_path):
     assert _cli("get", url, "/cfg/tiny.txt", str(out), env=env).returncode == 0
     assert out.read_bytes() == src.read_bytes()
     c.sync()
-    bad = NewChunk(b"b" * 16, 3, 3, INLINE, b"12")  # two bytes for a raw length of three
-    with pytest.raises(MetaError) as err:
-        c.commit_file(f.ino, [Extent(0, 3, bad.chunk_id)], 3, [bad])
-    assert err.value.errno == errno.EINVAL
-    assert c.get_extents(f.ino) == [e] and c.chunk_info([bad.chunk_id]) == {}
+    for bad in (
+        NewChunk(b"b" * 16, 3, 3, INLINE, b"12"),  # two bytes for a raw length of three
+        NewChunk(b"b" * 16, 3, 3, INLINE, b"123"),  # bytes whose id is another
+        NewChunk.inline(e.chunk_id, b"x" * e.length),  # poison the file put above
+    ):
+        with pytest.raises(MetaError) as err:
+            c.commit_file(f.ino, [Extent(0, bad.raw_len, bad.chunk_id)], bad.raw_len, [bad])
+        assert err.value.errno == errno.EINVAL
+    assert c.get_extents(f.ino) == [e] and c.chunk_info([b"b" * 16]) == {}
+    assert c.inline_data([e.chunk_id]) == {e.chunk_id: src.read_bytes()}
 
 
 def test_manifest_encoded_from_commits_equals_the_engines(tmp_path, meta_server):
