@@ -992,7 +992,10 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 for r in self._x(
                     c, f"SELECT id, data FROM inline_data WHERE id IN ({marks})", part
                 ).fetchall():
-                    out[bytes(r[0])] = bytes(r[1])
+                    # text where bytes belong (a row an older version let a client write)
+                    # comes back as its bytes, which fail the id check like any damage
+                    data = r[1].encode() if isinstance(r[1], str) else bytes(r[1])
+                    out[bytes(r[0])] = data
         return out
 
     def mark_durable(self, ids: list[bytes], stored_lens: list[int] | None = None) -> None:

@@ -158,6 +158,13 @@ def test_bad_inline_chunk_is_named_and_never_read(filled, capsys):
     assert "do not match" in p["detail"] and not p["repaired"]
     with pytest.raises(ChunkUnavailable, match="corrupt"):
         vol.read_file("/d/a.bin")
+    # text where the bytes belong (an older version let a client store it): reported the
+    # same way; it made every inline query fail, and fsck with a traceback
+    db.execute("UPDATE inline_data SET data = ? WHERE id = ?", ("x" * 123, tail.chunk_id))
+    db.commit()
+    rc, rep = fsck_json(capsys, vol)
+    assert rc == 1 and kinds(rep) == ["bad_inline"]
+    assert "do not match" in rep["problems"][0]["detail"]
     db.execute("DELETE FROM inline_data WHERE id = ?", (tail.chunk_id,))
     db.commit()
     db.close()
