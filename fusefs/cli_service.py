@@ -65,6 +65,20 @@ def _listen(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def _raise_fd_limit() -> None:
+    """Every client holds a descriptor: take the hard limit, not the soft one (often 1024),
+    so thousands of ranks, and idle connections waiting to be dropped, fit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
@@ -84,6 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls = server_context(args.tls_cert, args.tls_key)  # before opening anything
     engine = _open_engine(args.db or desc["meta"], path)
     engine.get_config()  # fail now, with one line, if the engine holds no volume
+    _raise_fd_limit()
     host, port = args.listen
     service = MetaService(
         engine, token, base_dir=path, max_frame=args.max_frame, threads=args.threads

@@ -199,7 +199,8 @@ class Volume:
             if ensure:
                 ensure()
         tmp = os.path.join(path, VOLUME_FILE + ".tmp")
-        with open(tmp, "w") as f:
+        # 0600: a PostgreSQL URL may carry its password
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump({"format": FORMAT_VERSION, "meta": meta_url}, f)
             f.flush()
             os.fsync(f.fileno())

@@ -180,6 +180,22 @@ def check_name(name: bytes) -> bytes:
     return name
 
 
+def check_u32(value: object, what: str) -> int:
+    """A uid, gid or mode: an int in [0, 2**32). Stored as given, a value of another type
+    or range (from a client of the service) made every later stat of the inode fail on
+    every mount."""
+    if type(value) is not int or not 0 <= value < 2**32:
+        raise MetaError(errno.EINVAL, f"{what} must be an integer in [0, 2**32), not {value!r:.40}")
+    return value
+
+
+def check_blob(value: object, what: str) -> bytes:
+    """A byte string the metadata stores (a symlink target, an xattr value)."""
+    if not isinstance(value, bytes):
+        raise MetaError(errno.EINVAL, f"{what} must be bytes, not {type(value).__name__}")
+    return value
+
+
 MAX_CHUNK_BYTES = 1 << 40  # raw or stored length of one chunk: far past any chunker's
 
 

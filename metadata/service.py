@@ -38,6 +38,8 @@ import ssl
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -66,7 +68,10 @@ from metadata.readbatch import ReadBatcher
 log = logging.getLogger("ckptfs.meta")
 
 HANDSHAKE_TIMEOUT = 10.0
-MAX_INFLIGHT_PER_CONN = 4096
+HELLO_MAX = 64 * 1024  # a hello is a few hundred bytes: decoded before the token is checked
+MAX_HANDSHAKES = 4096  # connections waiting for their hello; past it the oldest is dropped
+MAX_INFLIGHT_PER_CONN = 4096  # requests read and not yet answered on the wire
+OUT_MAX = 32 << 20  # answer bytes queued for a connection before its requests wait
 IDEM_KEEP = 200_000
 MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
@@ -133,31 +138,43 @@ class _Slot:
 
 
 class _Conn:
-    """One client connection: answers are queued here and written by one task, coalesced."""
+    """One client connection: answers are queued here and written by one task, coalesced.
+
+    A request holds its in-flight slot until its answer is on the wire, not merely queued,
+    and the session reads no more requests while MAX_INFLIGHT_PER_CONN are held or OUT_MAX
+    answer bytes wait: a client that pipelines requests and never reads the answers
+    stalls only itself. (Freed at queueing, the slot bounded nothing: such a client grew
+    the service past a gigabyte and held everyone else's requests behind its answers.)"""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.out: list[bytes] = []
+        self.out_bytes = 0
+        self.answers = 0  # answers queued in `out`
         self.wake = trio.Event()
         self.inflight = 0
         self.drained = trio.Event()
         self.closed = False
+
+    @property
+    def full(self) -> bool:
+        return self.inflight >= MAX_INFLIGHT_PER_CONN or self.out_bytes > OUT_MAX
 
     def send(self, body: bytes) -> None:
         if self.closed:
             return
         self.out.append(len(body).to_bytes(4, "big"))
         self.out.append(body)
+        self.out_bytes += 4 + len(body)
+        self.answers += 1
         self.wake.set()
 
     def reply(
         self, rid: int, outcome: _Slot | tuple[Any, BaseException | None], method: str
     ) -> None:
-        """Answer request `rid` from an outcome (result or error); frees its in-flight slot."""
+        """Answer request `rid` from an outcome (result or error); its in-flight slot is
+        freed once the answer is written."""
         result, error = (outcome.result, outcome.error) if isinstance(outcome, _Slot) else outcome
-        self.inflight -= 1
-        if self.inflight < MAX_INFLIGHT_PER_CONN:
-            self.drained.set()
         try:
             if error is None:
                 body = encode_answer(rid, result)
@@ -173,8 +190,13 @@ class _Conn:
             await self.wake.wait()
             self.wake = trio.Event()
             data, self.out = b"".join(self.out), []
+            answered, self.answers = self.answers, 0
             if data:
                 await self.stream.send_all(data)
+            self.out_bytes -= len(data)
+            self.inflight -= answered
+            if not self.full:
+                self.drained.set()
 
 
 def _error_reply(method: str, e: BaseException) -> tuple[int, str]:
@@ -246,7 +268,8 @@ class MetaService:
         self._nursery: trio.Nursery | None = None
         self._tls: ssl.SSLContext | None = None  # set by serve()
         self.connections = 0
-        self.stats = {"requests": 0, "inline": 0, "bad_clients": 0}
+        self._hello_waits: OrderedDict[object, trio.CancelScope] = OrderedDict()
+        self.stats = {"requests": 0, "inline": 0, "bad_clients": 0, "hello_evictions": 0}
 
     # -- lifecycle -------------------------------------------------------------
     async def serve(
@@ -285,6 +308,25 @@ class MetaService:
         self._changed = trio.Event()
 
     # -- connections -------------------------------------------------------------
+    @contextmanager
+    def _waiting_for_hello(self) -> Iterator[trio.CancelScope]:
+        """A connection's wait for its hello (or its TLS handshake's first byte), bounded
+        in time and in number: past MAX_HANDSHAKES waiting, the one that waited longest
+        is dropped. Idle connections that never say hello held a descriptor each for the
+        whole timeout, and enough of them locked authenticated clients out. A real client
+        says hello at once, so the longest waiter is the idle one."""
+        key = object()
+        scope = trio.move_on_after(HANDSHAKE_TIMEOUT)
+        self._hello_waits[key] = scope
+        if len(self._hello_waits) > MAX_HANDSHAKES:
+            self._hello_waits.popitem(last=False)[1].cancel()
+            self.stats["hello_evictions"] += 1
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._hello_waits.pop(key, None)
+
     async def _handle(self, tcp: trio.SocketStream) -> None:
         self.connections += 1
         peer = "?"
@@ -317,7 +359,7 @@ class MetaService:
         when the client is gone or did not. A plain client is told so in plain text, and
         gives up (EPROTO) instead of taking a dropped connection for a network fault and
         retrying forever. (The TLS handshake itself runs in the hello's first receive.)"""
-        with trio.move_on_after(HANDSHAKE_TIMEOUT):
+        with self._waiting_for_hello():
             first = await tcp.socket.recv(1, socket.MSG_PEEK)
             if first and first != b"\x16":  # not a TLS handshake record
                 self.stats["bad_clients"] += 1
@@ -330,12 +372,13 @@ class MetaService:
                 )  # fmt: skip
                 return None
             return trio.SSLStream(tcp, self._tls, server_side=True) if first else None
-        raise ProtocolError("no TLS handshake within the handshake timeout")
+        raise ProtocolError("no TLS handshake in time (or too many connections waiting)")
 
     async def _session(self, stream: trio.abc.Stream, peer: str) -> None:
         dec = FrameDecoder(self.max_frame)
         frames: list[bytes | memoryview] = []
-        with trio.move_on_after(HANDSHAKE_TIMEOUT) as scope:
+        head = b""  # the hello's frame header
+        with self._waiting_for_hello() as scope:
             while not frames:
                 try:  # with TLS, the first receive runs its handshake
                     data = await stream.receive_some(65536)
@@ -345,9 +388,13 @@ class MetaService:
                     raise
                 if not data:
                     return
+                if len(head) < 4:  # refuse a big hello before reading it, let alone decoding
+                    head += data[: 4 - len(head)]
+                    if len(head) == 4 and int.from_bytes(head, "big") > HELLO_MAX:
+                        raise ProtocolError(f"a hello frame is at most {HELLO_MAX} bytes")
                 frames = dec.feed(data)
         if scope.cancelled_caught:
-            raise ProtocolError("no hello within the handshake timeout")
+            raise ProtocolError("no hello in time (or too many connections waiting for theirs)")
         hello = parse_hello(frames.pop(0))
         if hello.get("proto") != PROTO_VERSION:
             await stream.send_all(
@@ -371,7 +418,7 @@ class MetaService:
                 nursery.start_soon(conn.writer)
                 while True:
                     for body in frames:
-                        while conn.inflight >= MAX_INFLIGHT_PER_CONN:
+                        while conn.full:
                             conn.drained = trio.Event()
                             await conn.drained.wait()
                         req = parse_commit(body) or parse_request(body)
@@ -398,7 +445,7 @@ class MetaService:
             conn.reply(rid, (None, MetaError(errno.ENOSYS, f"unknown method {method!r}")), method)
             return
         slot: _Slot | None = None
-        if key is not None:
+        if key is not None and method not in READ_METHODS:  # a read is safe to run again
             prev = self._idem.get(key)
             if prev is not None:  # a retry: answer with the first outcome
                 prev.add(lambda s: conn.reply(rid, s, method))

@@ -42,9 +42,11 @@ from metadata.engine import (
     NewChunk,
     UnknownChunks,
     VolumeStats,
+    check_blob,
     check_extents,
     check_name,
     check_new_chunks,
+    check_u32,
 )
 from metadata.maintenance import MaintenanceMixin
 from metadata.retention import RetentionMixin
@@ -493,6 +495,10 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         setgid_inherit: bool = False,
     ) -> Attr:
         check_name(name)
+        check_u32(mode, "mode")
+        check_u32(uid, "uid")
+        check_u32(gid, "gid")
+        check_blob(target, "symlink target")
         kind = stat.S_IFMT(mode)
         if kind not in _KINDS:
             raise MetaError(errno.EINVAL, f"file type {kind:#o} is not one a file can have")
@@ -724,6 +730,12 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         mtime_ns: int | None = None,
         clear_mode: int = 0,
     ) -> Attr:
+        for v, what in ((mode, "mode"), (uid, "uid"), (gid, "gid"), (clear_mode, "clear_mode")):
+            if v is not None:
+                check_u32(v, what)
+        for t in (atime_ns, mtime_ns, size):
+            if t is not None and type(t) is not int:
+                raise MetaError(errno.EINVAL, f"times and sizes are integers, not {t!r:.40}")
         for t in (atime_ns, mtime_ns):
             if t is not None and not -(2**63) <= t < 2**63:  # years 1677-2262
                 raise MetaError(errno.EOVERFLOW, "time out of the range a volume keeps")
@@ -832,6 +844,8 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         return bytes(row[0])
 
     def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
+        check_blob(name, "attribute name")
+        check_blob(value, "attribute value")
         if not name or len(name) > NAME_MAX_XATTR or b"\0" in name:
             raise MetaError(errno.ERANGE, f"bad attribute name {name[:40]!r}")
         if len(value) > XATTR_MAX:

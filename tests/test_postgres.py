@@ -901,3 +901,59 @@ def test_sync_makes_lazy_commits_durable(vol, monkeypatch):
         assert other.meta.getattr(f.ino).size == 20
     finally:
         other.close()
+
+
+def test_values_a_mount_reads_back_are_checked_before_they_are_stored(vol):
+    """uid, gid and mode must be integers in [0, 2**32), a symlink target and an xattr
+    value bytes: a client of the service stored `gid="x"` or `uid=2**40` as given, and
+    every mount of the volume then failed stat of that inode (EIO) until someone edited
+    the database by hand."""
+    m = vol.meta
+    f = m.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
+    m.set_xattr(f.ino, b"user.a", b"1")
+    before = (m.getattr(f.ino), m.readdir(ROOT_INO, 0), m.get_xattr(f.ino, b"user.a"))
+    bad = [
+        lambda: m.create(ROOT_INO, b"g", stat.S_IFREG | 0o644, -5, 0),
+        lambda: m.create(ROOT_INO, b"g", stat.S_IFREG | 0o644, "root", 0),
+        lambda: m.create(ROOT_INO, b"g", stat.S_IFREG | 0o644, 0, 2**40),
+        lambda: m.create(ROOT_INO, b"g", (stat.S_IFREG | 0o644) + 2**40, 0, 0),
+        lambda: m.create(ROOT_INO, b"g", stat.S_IFREG | 0o644, True, 0),
+        lambda: m.create(ROOT_INO, b"l", stat.S_IFLNK | 0o777, 0, 0, target="text"),
+        lambda: m.setattr(f.ino, gid="x"),
+        lambda: m.setattr(f.ino, uid=-1),
+        lambda: m.setattr(f.ino, mode=1.5),
+        lambda: m.setattr(f.ino, mtime_ns="now"),
+        lambda: m.setattr(f.ino, size="10"),
+        lambda: m.set_xattr(f.ino, b"user.a", "text"),
+        lambda: m.set_xattr(f.ino, "user.b", b"1"),
+    ]
+    for fn in bad:
+        with pytest.raises(MetaError) as e:
+            fn()
+        assert e.value.errno == errno.EINVAL, fn
+    assert (m.getattr(f.ino), m.readdir(ROOT_INO, 0), m.get_xattr(f.ino, b"user.a")) == before
+    assert m.setattr(f.ino, uid=2**32 - 1, gid=7).uid == 2**32 - 1
+
+
+def test_the_database_is_readable_by_its_owner_only(tmp_path):
+    """Small files' bytes live in the metadata, so a 0644 database let any local user read
+    a 0600 file the mount refused them. New volumes make it (and its WAL) 0600; an older
+    one is narrowed when opened. volume.json is 0600 too (a PostgreSQL URL may hold a
+    password)."""
+    v = Volume.create(str(tmp_path / "vol"), nodes=2)
+    v.write_file("/secret", b"tiny secret")
+    path = v.meta.path
+    for p in (path, path + "-wal", os.path.join(str(tmp_path / "vol"), "volume.json")):
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+    v.close()
+    for p in (path, path + "-wal", path + "-shm"):
+        if os.path.exists(p):
+            os.chmod(p, 0o644)
+    v = Volume.open(str(tmp_path / "vol"))
+    try:
+        assert v.read_file("/secret") == b"tiny secret"
+        for p in (path, path + "-wal", path + "-shm"):
+            if os.path.exists(p):
+                assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+    finally:
+        v.close()

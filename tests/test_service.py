@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -132,6 +133,109 @@ def test_bad_input_changes_nothing_and_others_are_served(served):
     other = connect(served.url)
     assert other.commit_rank("b", 1, 1, _files(b"r1", "g"))["state"] == "published"
     assert other.latest("b") == 1
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_hello_bigger_than_a_hello_is_refused_unread(served):
+    """Before its token is checked a peer costs the service little: a hello frame bigger
+    than a hello is refused from its header. A 60 MiB one of tiny elements was decoded
+    first (45 MiB -> 4.4 GB, and a good client's ping took 8 s)."""
+    pid = served.proc.pid
+    rss = _rss_mib(pid)
+    s = _raw(served, hello=False)
+    s.sendall(struct.pack(">I", 60 << 20) + b"\x91\x80" * 1000)
+    t0 = time.monotonic()
+    reply = _recv_frame(s)
+    assert reply is not None and reply[1] == errno.EPROTO and "hello" in reply[2]
+    assert time.monotonic() - t0 < 5
+    s.close()
+    assert _rss_mib(pid) < rss + 50
+    assert connect(served.url).call("ping") is None
+
+
+def test_connections_that_never_say_hello_are_dropped_oldest_first(tmp_path, monkeypatch):
+    """Past MAX_HANDSHAKES connections waiting for their hello, the one that waited
+    longest goes, so idle connections cannot hold every descriptor until their timeout
+    (about 1,100 of them let 3 of 11 real clients in within 3 s)."""
+    import trio
+
+    import metadata.service as service
+    from metadata.sqlite import SqliteEngine
+
+    monkeypatch.setattr(service, "MAX_HANDSHAKES", 8)
+    Volume.create(str(tmp_path / "vol"), nodes=2).close()
+    engine = SqliteEngine(str(tmp_path / "vol" / "meta.db"))
+    svc = service.MetaService(engine, "tok", base_dir=str(tmp_path / "vol"))
+    started: dict = {}
+    ready = threading.Event()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            started["port"] = await nursery.start(svc.serve, "127.0.0.1", 0)
+            started["token"] = trio.lowlevel.current_trio_token()
+            started["cancel"] = nursery.cancel_scope.cancel
+            ready.set()
+
+    t = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    t.start()
+    assert ready.wait(30)
+    port = started["port"]
+    try:
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]
+        good = connect(f"ckptfs://127.0.0.1:{port}", token="tok")
+        assert good.call("ping") is None
+        dropped = []
+        for c in idle[:12]:  # the oldest twelve made way for the eight after them
+            reply = _recv_frame(c)
+            dropped.append(reply is None or reply[1] == errno.EPROTO)
+        assert all(dropped) and svc.stats["hello_evictions"] >= 12
+        for c in idle:
+            c.close()
+        good.close()
+    finally:
+        trio.from_thread.run_sync(started["cancel"], trio_token=started["token"])
+        t.join(30)
+        engine.close()
+
+
+def test_a_client_that_never_reads_its_answers_stalls_only_itself(served):
+    """Pipelined requests whose answers are never read: the connection stops being read
+    once its answers back up (in-flight slots are held until the answer is written), so
+    the service's memory stays bounded and other clients are answered. Freed when
+    queued, the slots bounded nothing: 1.2 GB and a 66 s hello for everyone else."""
+    good = connect(served.url)
+    for i in range(200):
+        good.create(1, b"f%04d" % i, 0o100644, 0, 0)
+    pid = served.proc.pid
+    rss = _rss_mib(pid)
+    s = _raw(served)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    burst = b"".join(encode_frame([i, "readdir", [1, 0, 1000], {}, None]) for i in range(1, 4001))
+    s.settimeout(0.5)
+    sent = 0
+    deadline = time.monotonic() + 30
+    for _ in range(60):  # the service stops reading: sending blocks, then times out
+        if time.monotonic() > deadline:
+            break
+        try:
+            s.sendall(burst)
+            sent += 4000
+        except TimeoutError:
+            break
+    assert sent < 60 * 4000, "the service kept reading a client that reads nothing"
+    t0 = time.monotonic()
+    assert connect(served.url).call("ping") is None
+    assert time.monotonic() - t0 < 5
+    assert _rss_mib(pid) < rss + 400
+    s.close()
+    assert good.readdir(1, 0)[0].name == b"f0000"
 
 
 @settings(max_examples=300, deadline=None)
