@@ -140,17 +140,18 @@ class _Slot:
 class _Conn:
     """One client connection: answers are queued here and written by one task, coalesced.
 
-    A request holds its in-flight slot until its answer is on the wire, not merely queued,
-    and the session reads no more requests while MAX_INFLIGHT_PER_CONN are held or OUT_MAX
-    answer bytes wait: a client that pipelines requests and never reads the answers
-    stalls only itself. (Freed at queueing, the slot bounded nothing: such a client grew
-    the service past a gigabyte and held everyone else's requests behind its answers.)"""
+    The session reads no more requests while MAX_INFLIGHT_PER_CONN are unanswered or
+    OUT_MAX bytes of answers wait to be written: a client that pipelines requests and
+    never reads the answers stalls only itself. (Bounded by the count alone, such a client
+    grew the service past a gigabyte, since a queued answer freed its request's slot, and
+    held everyone else's requests behind its answers.) A slot is freed when its answer is
+    queued, not written: a client that resends many requests before it reads again (after
+    a reconnect) must not wait for the service while the service waits for it."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.out: list[bytes] = []
         self.out_bytes = 0
-        self.answers = 0  # answers queued in `out`
         self.wake = trio.Event()
         self.inflight = 0
         self.drained = trio.Event()
@@ -166,15 +167,14 @@ class _Conn:
         self.out.append(len(body).to_bytes(4, "big"))
         self.out.append(body)
         self.out_bytes += 4 + len(body)
-        self.answers += 1
         self.wake.set()
 
     def reply(
         self, rid: int, outcome: _Slot | tuple[Any, BaseException | None], method: str
     ) -> None:
-        """Answer request `rid` from an outcome (result or error); its in-flight slot is
-        freed once the answer is written."""
+        """Answer request `rid` from an outcome (result or error); frees its in-flight slot."""
         result, error = (outcome.result, outcome.error) if isinstance(outcome, _Slot) else outcome
+        self.inflight -= 1
         try:
             if error is None:
                 body = encode_answer(rid, result)
@@ -184,17 +184,17 @@ class _Conn:
             log.exception("cannot encode the answer of %s", method)
             body = encode([rid, errno.EIO, f"{method}: unencodable result: {e}"])
         self.send(body)
+        if not self.full:
+            self.drained.set()
 
     async def writer(self) -> None:
         while True:
             await self.wake.wait()
             self.wake = trio.Event()
             data, self.out = b"".join(self.out), []
-            answered, self.answers = self.answers, 0
             if data:
                 await self.stream.send_all(data)
             self.out_bytes -= len(data)
-            self.inflight -= answered
             if not self.full:
                 self.drained.set()
 

@@ -207,9 +207,10 @@ def test_connections_that_never_say_hello_are_dropped_oldest_first(tmp_path, mon
 
 def test_a_client_that_never_reads_its_answers_stalls_only_itself(served):
     """Pipelined requests whose answers are never read: the connection stops being read
-    once its answers back up (in-flight slots are held until the answer is written), so
-    the service's memory stays bounded and other clients are answered. Freed when
-    queued, the slots bounded nothing: 1.2 GB and a 66 s hello for everyone else."""
+    once OUT_MAX bytes of its answers wait, so the service's memory stays bounded and
+    other clients are answered. Bounded by the in-flight count alone (a queued answer
+    frees its slot), such a client took the service to 1.2 GB and everyone else's hello
+    to 66 s."""
     good = connect(served.url)
     for i in range(200):
         good.create(1, b"f%04d" % i, 0o100644, 0, 0)
