@@ -914,11 +914,14 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             )
 
     def _register_chunks(self, c: Any, chunks: list[NewChunk], now: int) -> None:
-        """Rows for new chunks; a row already there keeps its state, except that a chunk
-        only staged so far is durable once a writer stored it on the nodes. Inline bytes
-        are kept only for a row that is INLINE: content that matches a chunk already on the
-        nodes (or staged) is just another reference to it, so `inline_data` holds bytes
-        exactly for INLINE rows, and a reader never has two copies to choose between."""
+        """Rows for new chunks. A row already there keeps its state, except:
+        - a chunk only staged so far (in one host's write-behind tier) is durable once a
+          writer stored it on the nodes, and INLINE once a commit brings its bytes: the
+          metadata copy makes it durable at once, where dropping the bytes left this
+          fsync'd file in the hands of that host's tier (a test lost it with the host);
+        - a chunk already on the nodes (or INLINE) takes no copy of the bytes.
+        So `inline_data` holds bytes exactly for INLINE rows, and a reader never has two
+        copies to choose between."""
         if not chunks:
             return
         c.executemany(
@@ -934,15 +937,22 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ? AND state = {STAGED}"),
                 durable,
             )
-        inline = [(ch.chunk_id, ch.data, ch.chunk_id) for ch in chunks if ch.state == INLINE]
+        inline = [ch for ch in chunks if ch.state == INLINE]
         if inline:  # a row already there holds the same bytes (their id was checked)
+            c.executemany(
+                self._q(
+                    f"UPDATE chunks SET state = {INLINE}, stored_len = raw_len "
+                    f"WHERE id = ? AND state = {STAGED}"
+                ),
+                [(ch.chunk_id,) for ch in inline],
+            )
             c.executemany(
                 self._q(
                     "INSERT INTO inline_data (id, data) SELECT ?, ? WHERE EXISTS "
                     f"(SELECT 1 FROM chunks WHERE id = ? AND state = {INLINE}) "
                     "ON CONFLICT (id) DO NOTHING"
                 ),
-                inline,
+                [(ch.chunk_id, ch.data, ch.chunk_id) for ch in inline],
             )
 
     def _check_known(self, c: Any, ids: set[bytes]) -> None:

@@ -770,8 +770,9 @@ def test_inline_bytes_are_checked_and_kept_only_for_inline_rows(vol):
     """The metadata is an inline chunk's only copy, and a row keeps the first bytes it
     got: bytes that do not hash to their id, or records of the wrong types, are refused
     with nothing changed (they hid the chunk from every file naming it, fsck saw nothing).
-    Content matching a chunk already on the nodes or staged is a reference to it, with no
-    second copy in the metadata, and an inline row never turns durable."""
+    Content matching a chunk already on the nodes is a reference to it, with no second
+    copy in the metadata; content only staged so far becomes inline; an inline row never
+    turns durable."""
     from chunkstore.ids import chunk_id
     from metadata.engine import DURABLE, INLINE, STAGED
 
@@ -803,6 +804,17 @@ def test_inline_bytes_are_checked_and_kept_only_for_inline_rows(vol):
     m.commit_file(g.ino, [Extent(0, 200, dcid)], 200, [NewChunk.inline(dcid, on_nodes)])
     assert m.chunk_info([dcid]) == {dcid: (200, 200, 2, DURABLE)}
     assert m.inline_data([dcid]) == {}
+
+    # content only staged so far (one host's tier): the bytes make it INLINE at once, so
+    # this file does not depend on that host's tier (it was lost with the host's disk)
+    staged = os.urandom(300)
+    tcid = chunk_id(staged, vol.seed)
+    t = m.create(ROOT_INO, b"t", stat.S_IFREG | 0o644, 0, 0)
+    m.commit_file(t.ino, [Extent(0, 300, tcid)], 300, [NewChunk(tcid, 300, 332, STAGED)])
+    u = m.create(ROOT_INO, b"u", stat.S_IFREG | 0o644, 0, 0)
+    m.commit_file(u.ino, [Extent(0, 300, tcid)], 300, [NewChunk.inline(tcid, staged)])
+    assert m.chunk_info([tcid]) == {tcid: (300, 300, 2, INLINE)}
+    assert m.inline_data([tcid]) == {tcid: staged}
 
     # staged, then durable; an inline row stays inline whatever says it is durable
     s = m.create(ROOT_INO, b"s", stat.S_IFREG | 0o644, 0, 0)
