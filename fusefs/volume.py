@@ -199,8 +199,8 @@ class Volume:
             if ensure:
                 ensure()
         tmp = os.path.join(path, VOLUME_FILE + ".tmp")
-        # 0600: a PostgreSQL URL may carry its password
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        # not for others (0660 less the umask): a PostgreSQL URL may carry its password
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
             json.dump({"format": FORMAT_VERSION, "meta": meta_url}, f)
             f.flush()
             os.fsync(f.fileno())
@@ -506,19 +506,18 @@ class Volume:
             return self._fetch_once(cid, view)
         except ChunkUnavailable as e:
             state = self._state(cid)
-            if state == INLINE:  # its bytes are in the metadata, and were not good there
-                raise ChunkUnavailable(
-                    f"inline chunk {cid.hex()} is missing or corrupt in the metadata "
-                    f"(`ckptfs fsck`)"
-                ) from None
+            if state == INLINE:
+                return self._inline_or_fail(cid)
             if state != STAGED:
                 raise
             first = e
         # Not on the nodes yet: ask the metadata (not the nodes, whose misses log as bad
-        # replicas) until that tier marks it durable, then read it once more.
+        # replicas) until that tier marks it durable, then read it once more. A commit of
+        # the same small content elsewhere may make it INLINE meanwhile: then it is read
+        # from the metadata (the nodes may never get it).
         deadline = time.monotonic() + STAGED_WAIT_S
         delay = 0.02
-        while self._state(cid) == STAGED:
+        while (state := self._state(cid)) == STAGED:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ChunkUnavailable(
@@ -528,7 +527,19 @@ class Volume:
                 )
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.5)
+        if state == INLINE:
+            return self._inline_or_fail(cid)
         return self._fetch_once(cid, view)
+
+    def _inline_or_fail(self, cid: bytes) -> bytes:
+        """An INLINE chunk the nodes did not have: its bytes from the metadata, asked again
+        (it may have turned INLINE after the caller asked), or an error naming them."""
+        data = self.inline_chunks([cid]).get(cid)
+        if data is None:
+            raise ChunkUnavailable(
+                f"inline chunk {cid.hex()} is missing or corrupt in the metadata (`ckptfs fsck`)"
+            )
+        return data
 
     def _fetch_once(self, cid: bytes, view: bool) -> bytes | memoryview:
         if self.tier is not None:
@@ -550,10 +561,16 @@ def maybe_inline(e: Extent) -> bool:
 
 def _open_engine(url: str, base_dir: str) -> MetaEngine:
     if url.startswith("sqlite:"):
+        import sqlite3
+
         from metadata.sqlite import SqliteEngine
 
         db = url[len("sqlite:") :]
-        return SqliteEngine(db if os.path.isabs(db) else os.path.join(base_dir, db))
+        path = db if os.path.isabs(db) else os.path.join(base_dir, db)
+        try:
+            return SqliteEngine(path)
+        except sqlite3.Error as e:  # e.g. a database this user may not open: one line
+            raise VolumeError(f"cannot open the metadata database {path}: {e}") from None
     if url.startswith(("postgresql://", "postgres://")):
         from metadata.postgres import PostgresEngine
 

@@ -190,6 +190,7 @@ class RemoteEngine(MetaEngine):
         """Read responses; on a broken connection reconnect and resend what is pending."""
         delay = 0.05
         down_since: float | None = None
+        resender: threading.Thread | None = None
         while not self._closed:
             if sock is None:
                 try:
@@ -206,19 +207,21 @@ class RemoteEngine(MetaEngine):
                     continue
                 delay, down_since = 0.05, None
                 self.reconnects += 1
-                with self._send_lock:
-                    with self._lock:
-                        self._sock = sock
-                        resend = [p.frame for p in self._pending.values()]
-                    try:
-                        for fr in resend:
-                            sock.sendall(fr)
-                    except OSError:
-                        pass  # the read below notices
+                resender = threading.Thread(
+                    target=self._resend, args=(sock,), name="ckptfs-meta-resend", daemon=True
+                )
+                resender.start()
             try:
                 self._read(sock)
             except (OSError, ProtocolError):
                 pass
+            try:  # wakes a resend blocked in sendall on this connection
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            if resender is not None:
+                resender.join()
+                resender = None
             with self._lock:
                 if self._sock is sock:
                     self._sock = None
@@ -227,6 +230,22 @@ class RemoteEngine(MetaEngine):
             except OSError:
                 pass
             sock = None  # type: ignore[assignment]
+
+    def _resend(self, sock: socket.socket | TlsSocket) -> None:
+        """After a reconnect: make `sock` the connection and send every pending request
+        again, while the I/O thread reads the answers. Sent from the I/O thread itself,
+        before it read anything, a resend bigger than what the service queues for one
+        connection (OUT_MAX of answers) and the socket buffers hold left each side waiting
+        for the other: the client hung for good after a service restart."""
+        with self._send_lock:
+            with self._lock:
+                self._sock = sock
+                resend = [p.frame for p in self._pending.values()]
+            try:
+                for fr in resend:
+                    sock.sendall(fr)
+            except OSError:
+                pass  # the reader notices
 
     def _read(self, sock: socket.socket | TlsSocket) -> None:
         dec = FrameDecoder(self.max_frame)

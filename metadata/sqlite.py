@@ -74,15 +74,16 @@ WAL_KEEP = 64 << 20  # `wal_checkpoint` cuts a WAL it starts over back to this s
 CHECKPOINT_WAIT = 0.02  # seconds `wal_checkpoint` may wait for readers (writers wait meanwhile)
 
 
-def _owner_only(path: str) -> None:
-    """The database readable by its owner alone: small files' bytes live in it (inline
-    chunks), with every name and attribute, so a 0644 database let any local user read a
-    0600 file the mount refused them. A new database is made 0600 before SQLite opens it
-    (its WAL and shared-memory files take the database's mode); an older one we own is
-    narrowed to that. A database we cannot change (another owner, a read-only copy) is
-    left as it is."""
+def _no_others(path: str) -> None:
+    """The database closed to other users: small files' bytes live in it (inline chunks),
+    with every name and attribute, so a 0644 database let any local user read a 0600 file
+    the mount refused them. A new database is made 0660 less the umask before SQLite opens
+    it (its WAL and shared-memory files take its mode); an older one we own loses its bits
+    for others. Group bits stay: a volume shared through a group (a setgid directory, umask
+    002) keeps working for the group, which narrowing to 0600 broke. A database we cannot
+    change (another owner, a read-only copy) is left as it is."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         os.close(fd)
         return
     except FileExistsError:
@@ -92,8 +93,8 @@ def _owner_only(path: str) -> None:
     for p in (path, path + "-wal", path + "-shm"):
         try:
             st = os.stat(p)
-            if st.st_uid == os.geteuid() and st.st_mode & 0o077:
-                os.chmod(p, st.st_mode & 0o700)
+            if st.st_uid == os.geteuid() and st.st_mode & 0o007:
+                os.chmod(p, st.st_mode & ~0o007 & 0o7777)
         except OSError:
             pass
 
@@ -109,7 +110,7 @@ class SqliteEngine(SqlEngine):
         self.path = path
         self.inline = inline
         self._auto = 0 if inline else WAL_AUTOCHECKPOINT
-        _owner_only(path)
+        _no_others(path)
         self._conn = sqlite3.connect(
             path,
             isolation_level=None,

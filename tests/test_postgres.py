@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 
 import pytest
 
@@ -947,25 +948,63 @@ def test_values_a_mount_reads_back_are_checked_before_they_are_stored(vol):
     assert m.setattr(f.ino, uid=2**32 - 1, gid=7).uid == 2**32 - 1
 
 
-def test_the_database_is_readable_by_its_owner_only(tmp_path):
+def test_the_database_is_closed_to_other_users(tmp_path):
     """Small files' bytes live in the metadata, so a 0644 database let any local user read
-    a 0600 file the mount refused them. New volumes make it (and its WAL) 0600; an older
-    one is narrowed when opened. volume.json is 0600 too (a PostgreSQL URL may hold a
-    password)."""
-    v = Volume.create(str(tmp_path / "vol"), nodes=2)
+    a 0600 file the mount refused them. New volumes make it (and its WAL) 0660 less the
+    umask; an older one loses its bits for others when opened, and keeps its group's (a
+    volume shared through a group still works for it). volume.json likewise (a PostgreSQL
+    URL may hold a password)."""
+    old_umask = os.umask(0o002)
+    try:
+        v = Volume.create(str(tmp_path / "vol"), nodes=2)
+    finally:
+        os.umask(old_umask)
     v.write_file("/secret", b"tiny secret")
     path = v.meta.path
     for p in (path, path + "-wal", os.path.join(str(tmp_path / "vol"), "volume.json")):
-        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o660, p
     v.close()
     for p in (path, path + "-wal", path + "-shm"):
         if os.path.exists(p):
-            os.chmod(p, 0o644)
+            os.chmod(p, 0o664)
     v = Volume.open(str(tmp_path / "vol"))
     try:
         assert v.read_file("/secret") == b"tiny secret"
         for p in (path, path + "-wal", path + "-shm"):
             if os.path.exists(p):
-                assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
+                assert stat.S_IMODE(os.stat(p).st_mode) == 0o660, p
     finally:
         v.close()
+
+
+def test_a_reader_waiting_for_a_staged_chunk_gets_it_when_it_turns_inline(vol):
+    """A reader waits while a chunk is only staged (another host's tier, not uploaded).
+    A commit of the same small content elsewhere makes the row INLINE meanwhile: the
+    reader gets the bytes from the metadata. It used to read the nodes once the state
+    was no longer STAGED, which never get the chunk, and failed."""
+    import threading
+
+    from chunkstore.ids import chunk_id
+    from metadata.engine import STAGED
+
+    data = os.urandom(4096)
+    cid = chunk_id(data, vol.seed)
+    a = vol.meta.create(ROOT_INO, b"a", stat.S_IFREG | 0o644, 0, 0)
+    vol.meta.commit_file(a.ino, [Extent(0, 4096, cid)], 4096, [NewChunk(cid, 4096, 4128, STAGED)])
+    got: dict = {}
+
+    def read(small: bool) -> None:
+        try:
+            got[small] = bytes(vol.fetch_chunk(cid, small=small))
+        except Exception as e:  # noqa: BLE001 - reported below
+            got[small] = e
+
+    readers = [threading.Thread(target=read, args=(small,)) for small in (False, True)]
+    for t in readers:
+        t.start()
+    time.sleep(0.5)
+    b = vol.meta.create(ROOT_INO, b"b", stat.S_IFREG | 0o644, 0, 0)
+    vol.meta.commit_file(b.ino, [Extent(0, 4096, cid)], 4096, [NewChunk.inline(cid, data)])
+    for t in readers:
+        t.join(30)
+    assert got == {False: data, True: data}

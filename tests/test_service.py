@@ -239,6 +239,42 @@ def test_a_client_that_never_reads_its_answers_stalls_only_itself(served):
     assert good.readdir(1, 0)[0].name == b"f0000"
 
 
+def test_a_big_resend_after_a_restart_is_answered(served):
+    """After a reconnect the client resends every pending request. Sent by its I/O thread
+    before it read again, a resend whose answers the service queues past OUT_MAX, with
+    more to send than the socket buffers hold, left the client and the service each
+    waiting for the other: nothing was answered after a restart, for good. The resend now
+    runs beside the reader. Here: 700 readdirs of 1,000 entries (about 40 MB of answers),
+    then 400 xattr writes of 32 KiB (13 MB to send), all pending across a restart."""
+    import signal
+    from concurrent.futures import wait
+
+    from metadata.protocol import encode_answer
+    from metadata.service import OUT_MAX
+
+    c = connect(served.url)
+    d = c.create(1, b"d", 0o40755, 0, 0)
+    f = c.create(1, b"f", 0o100644, 0, 0)
+    for fut in c.submit_many([("create", (d.ino, b"n%04d" % i, 0o100644, 0, 0), {})
+                              for i in range(1000)]):  # fmt: skip
+        fut.result(timeout=60)
+    calls = [("readdir", (d.ino, 0, 1000), {})] * 700
+    calls += [("set_xattr", (f.ino, b"user.x%d" % i, b"v" * 32768), {}) for i in range(400)]
+    served.proc.send_signal(signal.SIGSTOP)  # nothing is answered: everything stays pending
+    futs: list = []
+    sender = threading.Thread(target=lambda: futs.extend(c.submit_many(calls)), daemon=True)
+    sender.start()
+    time.sleep(1.0)
+    served.restart()  # SIGKILL, then a new service on the same port
+    sender.join(60)
+    done, left = wait(futs, timeout=90)
+    assert not left and len(done) == len(calls), f"{len(left)} of {len(calls)} unanswered"
+    assert [len(fut.result()) for fut in futs[:700]] == [1000] * 700
+    assert sum(len(encode_answer(1, fut.result())) for fut in futs[:700]) > OUT_MAX
+    assert c.get_xattr(f.ino, b"user.x399") == b"v" * 32768
+    c.close()
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.binary(max_size=64), max_size=8), st.integers(1, 1 << 16))
 def test_frame_decoder_fuzz(chunks, max_frame):
