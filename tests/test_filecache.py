@@ -87,6 +87,13 @@ def test_a_copied_tail_does_not_alias_a_reused_buffer():
     assert _content(blk) == head + b"abcdefgh"
 
 
+@pytest.fixture
+def vol(tmp_path):
+    v = Volume.create(str(tmp_path / "vol"))
+    yield v
+    v.close()
+
+
 def _run(vol: Volume, attr, body) -> None:
     """`await body(cache, st)` with a FileCache on `vol` and `attr`'s file opened in it."""
 
@@ -99,102 +106,90 @@ def _run(vol: Volume, attr, body) -> None:
     trio.run(main)
 
 
-def test_a_commit_waits_for_a_block_that_another_task_is_sealing(tmp_path):
+def test_a_commit_waits_for_a_block_that_another_task_is_sealing(vol):
     """An fsync while an eviction seals the file's partly written block (reading its gaps
     from the old content) must publish that block's writes. It used to go on without the
     block and mark its writes committed, so the next close published nothing: the fsync'd
     write was lost."""
     MiB = KiB * KiB
-    vol = Volume.create(str(tmp_path / "vol"))
-    try:
-        old = os.urandom(4 * MiB)
-        patch = os.urandom(MiB)
-        attr = vol.write_file("/f", old)
+    old = os.urandom(4 * MiB)
+    patch = os.urandom(MiB)
+    attr = vol.write_file("/f", old)
 
-        async def body(cache: FileCache, st) -> None:
-            await cache.write(st, MiB, patch)  # block 0, partly written
-            blk = st.blocks[0]
-            cache.nursery.start_soon(cache.seal, st, blk)  # as an eviction does
-            await trio.testing.wait_all_tasks_blocked()
-            assert blk.busy and not st.sealing  # reading its gaps
-            await cache.commit(st)  # the fsync
-            assert not st.dirty and not st.blocks
+    async def body(cache: FileCache, st) -> None:
+        await cache.write(st, MiB, patch)  # block 0, partly written
+        blk = st.blocks[0]
+        cache.nursery.start_soon(cache.seal, st, blk)  # as an eviction does
+        await trio.testing.wait_all_tasks_blocked()
+        assert blk.busy and not st.sealing  # reading its gaps
+        await cache.commit(st)  # the fsync
+        assert not st.dirty and not st.blocks
 
-        _run(vol, attr, body)
-        want = old[:MiB] + patch + old[2 * MiB :]
-        assert vol.read_file("/f") == want
-    finally:
-        vol.close()
+    _run(vol, attr, body)
+    want = old[:MiB] + patch + old[2 * MiB :]
+    assert vol.read_file("/f") == want
 
 
-def test_a_block_whose_store_failed_is_kept_and_stored_by_the_next_commit(tmp_path):
+def test_a_block_whose_store_failed_is_kept_and_stored_by_the_next_commit(vol):
     """The store of a sealed block fails (the metadata service unreachable past the
     client's retry window): the commit reports EIO once, the block stays dirty, and the
     next commit, with the service back, stores and publishes it. The data used to be
     dropped and the file marked failed for good."""
     MiB = KiB * KiB
-    vol = Volume.create(str(tmp_path / "vol"))
-    try:
-        attr = vol.write_file("/f", b"")
-        real = vol.meta.missing_chunks
-        down = [True]
+    attr = vol.write_file("/f", b"")
+    real = vol.meta.missing_chunks
+    down = [True]
 
-        def missing_chunks(ids):
-            if down[0]:
-                raise MetaError(errno.ETIMEDOUT, "metadata service unreachable")
-            return real(ids)
+    def missing_chunks(ids):
+        if down[0]:
+            raise MetaError(errno.ETIMEDOUT, "metadata service unreachable")
+        return real(ids)
 
-        vol.meta.missing_chunks = missing_chunks  # type: ignore[method-assign]
-        first, second = os.urandom(4 * MiB), os.urandom(MiB)
+    vol.meta.missing_chunks = missing_chunks  # type: ignore[method-assign]
+    first, second = os.urandom(4 * MiB), os.urandom(MiB)
 
-        async def body(cache: FileCache, st) -> None:
-            await cache.write(st, 0, first)  # a whole block: sealed and stored at once
-            await cache.write(st, 4 * MiB, second)
-            with pytest.raises(FileError) as e:
-                await cache.commit(st)  # the close while the service is down
-            assert e.value.errno == errno.EIO
-            assert st.dirty and 0 in st.blocks  # kept
-            down[0] = False
-            await cache.commit(st)  # the service is back: the next close stores it
-            assert not st.dirty and not st.blocks
+    async def body(cache: FileCache, st) -> None:
+        await cache.write(st, 0, first)  # a whole block: sealed and stored at once
+        await cache.write(st, 4 * MiB, second)
+        with pytest.raises(FileError) as e:
+            await cache.commit(st)  # the close while the service is down
+        assert e.value.errno == errno.EIO
+        assert st.dirty and 0 in st.blocks  # kept
+        down[0] = False
+        await cache.commit(st)  # the service is back: the next close stores it
+        assert not st.dirty and not st.blocks
 
-        _run(vol, attr, body)
-        assert vol.read_file("/f") == first + second
-    finally:
-        vol.close()
+    _run(vol, attr, body)
+    assert vol.read_file("/f") == first + second
 
 
-def test_a_sealed_small_block_reads_back_before_its_commit(tmp_path):
+def test_a_sealed_small_block_reads_back_before_its_commit(vol):
     """A block of at most INLINE_DATA_MAX bytes sealed by an eviction is stored nowhere
     until the commit carries it into the metadata, but the file's extents name it at once.
     Reads of it, and the gap read when the block is written again, must be served from the
     record the file holds: they returned EIO, and every later commit of the file failed."""
     from metadata.engine import INLINE, INLINE_DATA_MAX
 
-    vol = Volume.create(str(tmp_path / "vol"))
-    try:
-        attr = vol.write_file("/log.csv", b"")
-        first, more = os.urandom(10 * KiB), os.urandom(3 * KiB)
-        assert len(first) <= INLINE_DATA_MAX
+    attr = vol.write_file("/log.csv", b"")
+    first, more = os.urandom(10 * KiB), os.urandom(3 * KiB)
+    assert len(first) <= INLINE_DATA_MAX
 
-        async def body(cache: FileCache, st) -> None:
-            await cache.write(st, 0, first)
-            await cache.seal(st, st.blocks[0])  # as an eviction under dirty pressure
-            await cache.settle(st)  # waits for the store (no block left to seal)
-            (rec,) = st.new_chunks.values()
-            assert rec.state == INLINE and not vol.meta.inline_data([rec.chunk_id])
-            assert bytes(await cache.read(st, 0, len(first))) == first
-            await cache.write(st, len(first), more)  # block 0 again, its head a gap
-            await cache.commit(st)
-            assert not st.dirty and not st.new_chunks
+    async def body(cache: FileCache, st) -> None:
+        await cache.write(st, 0, first)
+        await cache.seal(st, st.blocks[0])  # as an eviction under dirty pressure
+        await cache.settle(st)  # waits for the store (no block left to seal)
+        (rec,) = st.new_chunks.values()
+        assert rec.state == INLINE and not vol.meta.inline_data([rec.chunk_id])
+        assert bytes(await cache.read(st, 0, len(first))) == first
+        await cache.write(st, len(first), more)  # block 0 again, its head a gap
+        await cache.commit(st)
+        assert not st.dirty and not st.new_chunks
 
-        _run(vol, attr, body)
-        assert vol.read_file("/log.csv") == first + more
-    finally:
-        vol.close()
+    _run(vol, attr, body)
+    assert vol.read_file("/log.csv") == first + more
 
 
-def test_records_of_superseded_small_blocks_are_dropped_before_the_commit(tmp_path):
+def test_records_of_superseded_small_blocks_are_dropped_before_the_commit(vol):
     """A small block sealed again and again (each time under dirty pressure, each time a
     new version) kept a record, with its bytes, per seal until the next commit: memory grew
     16 KiB a seal, and over the service such a commit outgrew the frame limit and failed
@@ -202,26 +197,22 @@ def test_records_of_superseded_small_blocks_are_dropped_before_the_commit(tmp_pa
     version, and the chunks of the versions before it are stored nowhere."""
     from fusefs.filecache import RECORDS_MAX
 
-    vol = Volume.create(str(tmp_path / "vol"))
-    try:
-        attr = vol.write_file("/f", b"")
-        versions = [os.urandom(8 * KiB) for _ in range(3 * RECORDS_MAX)]
+    attr = vol.write_file("/f", b"")
+    versions = [os.urandom(8 * KiB) for _ in range(3 * RECORDS_MAX)]
 
-        async def body(cache: FileCache, st) -> None:
-            most = 0
-            for data in versions:
-                await cache.write(st, 0, data)
-                await cache.seal(st, st.blocks[0])
-                await cache.settle(st)
-                most = max(most, len(st.new_chunks))
-            assert most <= RECORDS_MAX + 1
-            assert bytes(await cache.read(st, 0, len(versions[-1]))) == versions[-1]
-            await cache.commit(st)
-            assert not st.dirty and not st.new_chunks
+    async def body(cache: FileCache, st) -> None:
+        most = 0
+        for data in versions:
+            await cache.write(st, 0, data)
+            await cache.seal(st, st.blocks[0])
+            await cache.settle(st)
+            most = max(most, len(st.new_chunks))
+        assert most <= RECORDS_MAX + 1
+        assert bytes(await cache.read(st, 0, len(versions[-1]))) == versions[-1]
+        await cache.commit(st)
+        assert not st.dirty and not st.new_chunks
 
-        _run(vol, attr, body)
-        assert vol.read_file("/f") == versions[-1]
-        old = vol.hash_many(versions[:-1])
-        assert vol.meta.missing_chunks(old) == set(old)
-    finally:
-        vol.close()
+    _run(vol, attr, body)
+    assert vol.read_file("/f") == versions[-1]
+    old = vol.hash_many(versions[:-1])
+    assert vol.meta.missing_chunks(old) == set(old)
