@@ -931,21 +931,10 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
             ),
             [(ch.chunk_id, ch.raw_len, ch.stored_len, ch.state, now) for ch in chunks],
         )
-        durable = [(ch.chunk_id,) for ch in chunks if ch.state == DURABLE]
-        if durable:
-            c.executemany(
-                self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ? AND state = {STAGED}"),
-                durable,
-            )
+        self._from_staged(c, [ch.chunk_id for ch in chunks if ch.state == DURABLE], DURABLE)
         inline = [ch for ch in chunks if ch.state == INLINE]
         if inline:  # a row already there holds the same bytes (their id was checked)
-            c.executemany(
-                self._q(
-                    f"UPDATE chunks SET state = {INLINE}, stored_len = raw_len "
-                    f"WHERE id = ? AND state = {STAGED}"
-                ),
-                [(ch.chunk_id,) for ch in inline],
-            )
+            self._from_staged(c, [ch.chunk_id for ch in inline], INLINE, ", stored_len = raw_len")
             c.executemany(
                 self._q(
                     "INSERT INTO inline_data (id, data) SELECT ?, ? WHERE EXISTS "
@@ -953,6 +942,18 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     "ON CONFLICT (id) DO NOTHING"
                 ),
                 [(ch.chunk_id, ch.data, ch.chunk_id) for ch in inline],
+            )
+
+    def _from_staged(self, c: Any, ids: list[bytes], state: int, also: str = "") -> None:
+        """Move the STAGED rows among `ids` to `state` (DURABLE: on their nodes; INLINE:
+        their bytes in the metadata), setting `also` with it. A row in any other state
+        keeps it: an INLINE row never changes, a DURABLE one is never demoted."""
+        if ids:
+            c.executemany(
+                self._q(
+                    f"UPDATE chunks SET state = {state}{also} WHERE id = ? AND state = {STAGED}"
+                ),
+                [(i,) for i in ids],
             )
 
     def _check_known(self, c: Any, ids: set[bytes]) -> None:
@@ -1034,10 +1035,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                     self._q(f"UPDATE chunks SET stored_len = ? WHERE id = ? AND state = {STAGED}"),
                     [(n, i) for i, n in zip(ids, stored_lens, strict=True) if n > 0],
                 )
-            c.executemany(
-                self._q(f"UPDATE chunks SET state = {DURABLE} WHERE id = ? AND state = {STAGED}"),
-                [(i,) for i in ids],
-            )
+            self._from_staged(c, ids, DURABLE)
 
     def stats(self) -> VolumeStats:
         self.apply_pending()
