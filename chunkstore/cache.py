@@ -12,6 +12,7 @@ keep the lock directory bounded and avoid the unlink-while-locked race.
 from __future__ import annotations
 
 import fcntl
+import heapq
 import logging
 import mmap
 import os
@@ -28,6 +29,7 @@ from chunkstore.ids import chunk_id, pieces_id
 log = logging.getLogger("ckptfs.cache")
 
 STRIPES = 4096
+EVICT_BATCH = 4096  # entries one eviction scan keeps as candidates (ChunkCache.evict)
 
 
 MAP_MIN = 256 * 1024  # raw objects at least this big are mapped, not read
@@ -127,6 +129,8 @@ class ChunkCache:
             os.makedirs(d, exist_ok=True)
         self._flights: dict[bytes, Future[bytes]] = {}
         self._lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+        self._candidates: list[tuple[int, str]] = []  # (mtime_ns, path), oldest last
         self.hits = 0
         self.misses = 0
 
@@ -188,28 +192,49 @@ class ChunkCache:
         return total
 
     def evict(self, need: int) -> int:
-        """Delete least recently used entries until `need` bytes are freed; returns freed."""
+        """Delete least recently used entries until `need` bytes are freed; returns freed.
+
+        Why the candidate list: once the tier's budget is full every put evicts about one
+        chunk, and a scan of the directory (a stat per entry) for each of them made a save
+        into a warm staging dir quadratic. 1 GiB through the mount went from ~850 to
+        ~300 MB/s, the puts' threads spending 3 CPU-s in scans. One scan now keeps its
+        oldest entries (up to `EVICT_BATCH` of them) and later calls take from those,
+        one stat and one unlink each, until they run out. An entry read since the scan
+        (a newer mtime: the LRU touch) is skipped, so it stays; entries added since the
+        scan are newer than every candidate, so the order still holds."""
         if need <= 0:
             return 0
+        freed = 0
+        with self._evict_lock:
+            rescanned = False
+            while freed < need:
+                if not self._candidates:
+                    if rescanned:
+                        break  # nothing left to evict
+                    self._candidates = self._scan_oldest()
+                    rescanned = True
+                    continue
+                mtime_ns, p = self._candidates.pop()
+                try:
+                    st = os.stat(p)
+                    if st.st_mtime_ns != mtime_ns:
+                        continue  # read since the scan: recently used, the next scan sees it
+                    os.unlink(p)
+                except FileNotFoundError:
+                    continue  # evicted or dropped by another process
+                freed += st.st_size
+        return freed
+
+    def _scan_oldest(self) -> list[tuple[int, str]]:
+        """The directory's oldest entries, newest first (so `pop()` takes the oldest)."""
         entries = []
         with os.scandir(self.dir) as it:
             for e in it:
                 try:
-                    st = e.stat()
+                    entries.append((e.stat().st_mtime_ns, e.path))
                 except FileNotFoundError:
                     continue
-                entries.append((st.st_mtime, st.st_size, e.path))
-        entries.sort()
-        freed = 0
-        for _, size, p in entries:
-            if freed >= need:
-                break
-            try:
-                os.unlink(p)
-                freed += size
-            except FileNotFoundError:
-                pass
-        return freed
+        return heapq.nsmallest(EVICT_BATCH, entries)[::-1]
 
     def single_flight(self, cid: bytes, fetch: Callable[[], bytes]) -> bytes:
         """Run `fetch` for `cid` once per host at a time: threads share one future,

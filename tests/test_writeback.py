@@ -571,6 +571,94 @@ def test_uploader_yields_to_foreground_writes_host_wide(vol_path, tmp_path):
         other.close()
 
 
+def test_cache_eviction_is_oldest_first_and_scans_once_for_many(tmp_path, monkeypatch):
+    """Evicting one entry at a time (as puts into a full tier do) scans the directory once,
+    takes the oldest first, and keeps an entry read since the scan."""
+    from chunkstore.cache import ChunkCache
+
+    cache = ChunkCache(str(tmp_path / "staging"), seed=0)
+    ids = [bytes([i]) * 16 for i in range(10)]
+    for i, cid in enumerate(ids):
+        assert cache.add(cid, b"x" * 1000) == 1000
+        t = 1_000_000_000 * (1000 + i)  # distinct mtimes, oldest first
+        os.utime(cache.path(cid), ns=(t, t))
+    scans = []
+    scandir = os.scandir
+
+    def counted(path):
+        if path == cache.dir:
+            scans.append(path)
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", counted)
+
+    assert cache.evict(1) == 1000
+    os.utime(cache.path(ids[1]))  # read since the scan: the LRU touch
+    assert cache.evict(1) == 1000  # skips ids[1], takes ids[2]
+    assert cache.evict(2500) == 3000  # ids[3..5]
+    left = {cid for cid in ids if os.path.exists(cache.path(cid))}
+    assert left == {ids[1], *ids[6:]}
+    assert len(scans) == 1
+    assert cache.evict(10**9) == 5000  # a rescan finds the touched one too
+    assert len(scans) == 2 and not os.listdir(cache.dir)
+    assert cache.evict(1) == 0
+
+
+def test_a_full_read_cache_does_not_start_uploads_during_a_save(vol_path, tmp_path):
+    """The read cache is evicted at will, so a tier whose cache fills its budget still holds
+    its uploads back while the host saves. It counted toward the drain threshold: every save
+    into a warm staging dir competed with its own upload (1 GiB through the mount at ~300
+    instead of ~800 MB/s), and each put scanned the whole cache to evict one entry."""
+    staging = str(tmp_path / "staging")
+    vol = _open(vol_path, staging, size=32 * MiB, idle_s=1.5, headroom=0.0)
+    try:
+        for k in range(30):  # uploaded, then moved to the read cache: 30 of 32 MiB
+            cid, raw = _raw_chunk(vol, MiB, 1000 + k)
+            vol.tier.put(cid, codec.encode(raw, "none"))
+        vol.tier.flush(timeout=60)
+        cached = vol.tier.cache.dir
+        _wait(lambda: len(os.listdir(cached)) == 30, 10, "the uploaded chunks to be cached")
+        before = vol.tier.uploaded_chunks
+        end = time.monotonic() + 2.0
+        i = 0
+        while time.monotonic() < end:  # a save: puts past the budget evict cache entries
+            c, r = _raw_chunk(vol, 256 * 1024, i)
+            vol.tier.put(c, codec.encode(r, "none"))
+            i += 1
+            time.sleep(0.04)  # 2 s of puts: ~12 MiB, under half the budget
+            assert vol.tier.uploaded_chunks == before, i
+        assert i * 256 * 1024 > 4 * MiB  # the budget was passed: entries were evicted
+        assert len(os.listdir(cached)) < 28
+        _wait(lambda: vol.tier.drained(), 30, "the tier to drain once the host is quiet")
+        assert vol.tier.uploaded_chunks == before + i
+    finally:
+        vol.close()
+
+
+def test_a_quiet_host_keeps_headroom_free_in_a_full_read_cache(vol_path, tmp_path):
+    """Once the host is quiet, the cache is trimmed to leave `headroom` of the budget free
+    (oldest entries first), so the next save's puts need not evict one by one."""
+    staging = str(tmp_path / "staging")
+    vol = _open(vol_path, staging, size=32 * MiB, idle_s=0.3, headroom=0.25)
+    try:
+        ids = []
+        for k in range(30):
+            if k == 15:
+                time.sleep(0.1)  # the second half is newer by many mtime ticks
+            cid, raw = _raw_chunk(vol, MiB, 2000 + k)
+            vol.tier.put(cid, codec.encode(raw, "none"))
+            ids.append(cid)
+        vol.tier.flush(timeout=60)
+        cached = vol.tier.cache.dir
+        _wait(lambda: len(os.listdir(cached)) <= 24, 10, "the cache to be trimmed to 24 MiB")
+        time.sleep(1.5)  # a second pass takes no more than the headroom asks
+        left = {c for c in ids if os.path.exists(vol.tier.cache.path(c))}
+        assert 22 <= len(left) <= 24
+        assert set(ids[15:]) <= left  # the oldest went first
+    finally:
+        vol.close()
+
+
 def test_unsynced_puts_are_acknowledged_by_one_sync(vol_path, tmp_path):
     """put(sync=False) writes only a temp file; sync_staged() journals the batch with one
     journal fsync; discard_unsynced() drops what was never acknowledged."""
