@@ -191,8 +191,9 @@ class ChunkCache:
                     pass
         return total
 
-    def evict(self, need: int) -> int:
+    def evict(self, need: int, older_than: float | None = None) -> int:
         """Delete least recently used entries until `need` bytes are freed; returns freed.
+        With `older_than` (a wall time), only entries last used before it go.
 
         Why the candidate list: once the tier's budget is full every put evicts about one
         chunk, and a scan of the directory (a stat per entry) for each of them made a save
@@ -214,7 +215,10 @@ class ChunkCache:
                     self._candidates = self._scan_oldest()
                     rescanned = True
                     continue
-                mtime_ns, p = self._candidates.pop()
+                mtime_ns, p = self._candidates[-1]
+                if older_than is not None and mtime_ns >= older_than * 1e9:
+                    break  # the oldest left is too recent; it stays a candidate
+                self._candidates.pop()
                 try:
                     st = os.stat(p)
                     if st.st_mtime_ns != mtime_ns:

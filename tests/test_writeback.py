@@ -637,9 +637,10 @@ def test_a_full_read_cache_does_not_start_uploads_during_a_save(vol_path, tmp_pa
 
 def test_a_quiet_host_keeps_headroom_free_in_a_full_read_cache(vol_path, tmp_path):
     """Once the host is quiet, the cache is trimmed to leave `headroom` of the budget free
-    (oldest entries first), so the next save's puts need not evict one by one."""
+    (oldest entries first), so the next save's puts need not evict one by one; entries used
+    within `trim_age` stay."""
     staging = str(tmp_path / "staging")
-    vol = _open(vol_path, staging, size=32 * MiB, idle_s=0.3, headroom=0.25)
+    vol = _open(vol_path, staging, size=32 * MiB, idle_s=0.3, headroom=0.25, trim_age=0.0)
     try:
         ids = []
         for k in range(30):
@@ -655,6 +656,14 @@ def test_a_quiet_host_keeps_headroom_free_in_a_full_read_cache(vol_path, tmp_pat
         left = {c for c in ids if os.path.exists(vol.tier.cache.path(c))}
         assert 22 <= len(left) <= 24
         assert set(ids[15:]) <= left  # the oldest went first
+    finally:
+        vol.close()
+
+    vol = _open(vol_path, staging, size=16 * MiB, idle_s=0.3, headroom=0.5)  # trim_age 300 s
+    try:
+        _wait(lambda: vol.tier.stats()["cached_bytes"] > 0, 10, "the cache to be counted")
+        time.sleep(1.5)  # quiet, 22+ MiB cached of 16: over budget, but all of it recent
+        assert len(os.listdir(cached)) == len(left)
     finally:
         vol.close()
 
