@@ -1019,7 +1019,7 @@ class WriteBehindTier:
 
     # -- housekeeping -------------------------------------------------------------------------
     def _housekeep(self) -> None:
-        last_status = last_adopt = compact_after = 0.0
+        last_status = last_adopt = compact_after = next_rescan = 0.0
         failing: str | None = None  # the OSError last reported, until a status write succeeds
         while not self._stop.wait(0.1):
             try:
@@ -1027,7 +1027,14 @@ class WriteBehindTier:
                 now = time.monotonic()
                 if now - last_status >= 1.0:
                     last_status = now
-                    self._rescan()
+                    if now >= next_rescan:
+                        # A stat per staged and cached file: 36 ms of CPU for 16k entries
+                        # (a 64 GiB budget of 4 MiB chunks), in every process with a tier
+                        # (8 DCP ranks: 8 of them). At most 1% of a core, so rarer when big;
+                        # in between, each process counts its own puts, moves and evictions.
+                        self._rescan()
+                        took = time.monotonic() - now
+                        next_rescan = now + min(30.0, max(1.0, 100 * took))
                     self._write_status()
                     if failing is not None:
                         log.info("write-behind housekeeping in %s works again", self.root)

@@ -668,6 +668,26 @@ def test_a_quiet_host_keeps_headroom_free_in_a_full_read_cache(vol_path, tmp_pat
         vol.close()
 
 
+def test_a_slow_rescan_runs_less_often(vol_path, tmp_path):
+    """The once-a-second resync of the space estimate stats every staged and cached file;
+    when that takes long (a big cache) it runs at most 1% of the time."""
+    vol = _open(vol_path, str(tmp_path / "staging"), size=32 * MiB)
+    try:
+        calls = []
+        usage = vol.tier.cache.usage
+
+        def slow() -> int:
+            calls.append(time.monotonic())
+            time.sleep(0.05)  # as 20k entries would take
+            return usage()
+
+        vol.tier.cache.usage = slow
+        time.sleep(4.0)
+        assert 1 <= len(calls) <= 2, calls  # every 5 s, not every second
+    finally:
+        vol.close()
+
+
 def test_unsynced_puts_are_acknowledged_by_one_sync(vol_path, tmp_path):
     """put(sync=False) writes only a temp file; sync_staged() journals the batch with one
     journal fsync; discard_unsynced() drops what was never acknowledged."""
