@@ -12,6 +12,8 @@ what to compare:
   tensors (1-32 MiB) to their own file and fsync; step 2 changes 10% of the
   tensors and saves to new files. Step-2 speed vs the disk, and stored-bytes
   growth per changed byte.
+- The same 1 GiB write through a minimal pyfuse3 filesystem that drops the bytes
+  (bench/nullfs.py): the framework's own ceiling on this machine (`write_vs_framework`).
 - 2,000 files of 4 KiB created, written and closed.
 - Peak RSS (VmHWM) of a fresh daemon while 8 GiB are written.
 
@@ -334,6 +336,18 @@ def main() -> int:
                 read_vs_rclone=round(r_rc / r_fs, 3),
             )
             unmount(rmp, rproc)
+        # the framework's floor: the same write through a filesystem that stores nothing
+        nmp = os.path.join(base, "null-mnt")
+        os.makedirs(nmp)
+        nproc = subprocess.Popen([sys.executable, "-m", "bench.nullfs", nmp], env=env, cwd=ROOT)
+        procs.append((nmp, nproc))
+        wait_mounted(nmp, nproc)
+        w_null = seq_write(os.path.join(nmp, "f"), data)
+        unmount(nmp, nproc)
+        out.update(
+            framework_write_mbps=mbps(nbytes, w_null),
+            write_vs_framework=round(w_null / w_fs, 3),
+        )
         del data
 
         # 2. checkpoint workload
