@@ -1027,12 +1027,15 @@ class WriteBehindTier:
                 now = time.monotonic()
                 if now - last_status >= 1.0:
                     last_status = now
-                    if now >= next_rescan:
-                        # A stat per staged and cached file: 36 ms of CPU for 16k entries
-                        # (a 64 GiB budget of 4 MiB chunks), in every process with a tier
-                        # (8 DCP ranks: 8 of them). At most 1% of a core, so rarer when big;
-                        # in between, each process counts its own puts, moves and evictions.
-                        self._rescan()
+                    # The cache's scan is a stat per cached file: 36 ms of CPU for 16k
+                    # entries (a 64 GiB budget of 4 MiB chunks), in every process with a tier
+                    # (8 DCP ranks: 8 of them). It takes at most 1% of a core, so it runs
+                    # rarer when big; in between, each process counts its own moves and
+                    # evictions. staged/ and the journals, small, are scanned every second:
+                    # their bytes decide when the uploaders must drain.
+                    full = now >= next_rescan
+                    self._rescan(cache=full)
+                    if full:
                         took = time.monotonic() - now
                         next_rescan = now + min(30.0, max(1.0, 100 * took))
                     self._write_status()
@@ -1059,14 +1062,16 @@ class WriteBehindTier:
             except Exception:  # a bug: keep housekeeping alive; the next pass retries
                 log.exception("write-behind housekeeping failed")
 
-    def _rescan(self) -> None:
+    def _rescan(self, cache: bool = True) -> None:
         """Resync the space estimate with the directory (other processes stage and evict too).
-        The journals count: their I records hold a second copy of small staged chunks."""
-        cached = self.cache.usage()
-        used = _dir_bytes(self.staged_dir) + cached + _dir_bytes(self.journal_dir)
+        The journals count: their I records hold a second copy of small staged chunks.
+        cache=False keeps the cache's own estimate (`_cached`) instead of scanning it."""
+        pinned = _dir_bytes(self.staged_dir) + _dir_bytes(self.journal_dir)
+        cached = self.cache.usage() if cache else None
         with self._cond:
-            self._cached = cached
-            new = used + self._reserved
+            if cached is not None:
+                self._cached = cached
+            new = pinned + self._cached + self._reserved
             if new < self._used:
                 self._freed(self._used - new)
             self._used = new
