@@ -185,8 +185,8 @@ def run(total: int, rate: float, base: str, mount: bool = False) -> dict:
 def warm(total: int, base: str, rounds: int = 3) -> dict:
     """Saves of `total` bytes into a tier of budget 2 x total: the first into an empty staging
     dir, then, once earlier saves were drained into the read cache and fill the budget, more.
-    Each save is drained before the next and followed by a 2 s pause (untimed). Cache entries
-    that young are not trimmed in the pause (`trim_age`), so every warm save evicts."""
+    Each save is drained before the next and followed by a 2 s pause (untimed), so every
+    warm save evicts as many cached bytes as it stages."""
     vol_dir = os.path.join(base, "vol-warm")
     Volume.create(vol_dir, nodes=4, settings=VolumeSettings(chunk_size=4 * MiB, replicas=2)).close()
     vol = Volume.open(vol_dir)

@@ -30,6 +30,7 @@ log = logging.getLogger("ckptfs.cache")
 
 STRIPES = 4096
 EVICT_BATCH = 4096  # entries one eviction scan keeps as candidates (ChunkCache.evict)
+EVICT_LIST_S = 5.0  # ... for at most this long
 
 
 MAP_MIN = 256 * 1024  # raw objects at least this big are mapped, not read
@@ -131,6 +132,7 @@ class ChunkCache:
         self._lock = threading.Lock()
         self._evict_lock = threading.Lock()
         self._candidates: list[tuple[int, str]] = []  # (mtime_ns, path), oldest last
+        self._scanned_at = 0.0  # monotonic time of the scan that made _candidates
         self.hits = 0
         self.misses = 0
 
@@ -191,34 +193,34 @@ class ChunkCache:
                     pass
         return total
 
-    def evict(self, need: int, older_than: float | None = None) -> int:
+    def evict(self, need: int) -> int:
         """Delete least recently used entries until `need` bytes are freed; returns freed.
-        With `older_than` (a wall time), only entries last used before it go.
 
         Why the candidate list: once the tier's budget is full every put evicts about one
         chunk, and a scan of the directory (a stat per entry) for each of them made a save
         into a warm staging dir quadratic. 1 GiB through the mount went from ~850 to
         ~300 MB/s, the puts' threads spending 3 CPU-s in scans. One scan now keeps its
         oldest entries (up to `EVICT_BATCH` of them) and later calls take from those,
-        one stat and one unlink each, until they run out. An entry read since the scan
-        (a newer mtime: the LRU touch) is skipped, so it stays; entries added since the
-        scan are newer than every candidate, so the order still holds."""
+        one stat and one unlink each, until they run out or are `EVICT_LIST_S` old. An
+        entry read since the scan (a newer mtime: the LRU touch) is skipped, so it stays.
+        Entries added since are mostly newer, but an uploaded chunk is renamed in from
+        staged/ with the mtime of its staging, so the list is rebuilt every few seconds
+        to take those in their turn."""
         if need <= 0:
             return 0
         freed = 0
         with self._evict_lock:
             rescanned = False
             while freed < need:
-                if not self._candidates:
+                stale = time.monotonic() - self._scanned_at > EVICT_LIST_S
+                if not self._candidates or (stale and not rescanned):
                     if rescanned:
                         break  # nothing left to evict
                     self._candidates = self._scan_oldest()
+                    self._scanned_at = time.monotonic()
                     rescanned = True
                     continue
-                mtime_ns, p = self._candidates[-1]
-                if older_than is not None and mtime_ns >= older_than * 1e9:
-                    break  # the oldest left is too recent; it stays a candidate
-                self._candidates.pop()
+                mtime_ns, p = self._candidates.pop()
                 try:
                     st = os.stat(p)
                     if st.st_mtime_ns != mtime_ns:

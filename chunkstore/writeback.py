@@ -405,8 +405,6 @@ class WriteBehindTier:
         mark_batch: int = 256,
         idle_s: float = 0.5,
         high_water: float = 0.5,
-        headroom: float = 0.25,
-        trim_age: float = 300.0,
         max_defer_s: float = 30.0,
         transcode: Callable[[bytes, int | None], bytes] | None = None,
     ) -> None:
@@ -426,8 +424,6 @@ class WriteBehindTier:
         self.mark_batch = mark_batch
         self.idle_s = idle_s
         self.high_water = high_water
-        self.headroom = headroom
-        self.trim_age = trim_age
         self.max_defer_s = max_defer_s
         self.transcode = transcode
         self.staged_dir = os.path.join(self.root, "staged")
@@ -1019,7 +1015,7 @@ class WriteBehindTier:
 
     # -- housekeeping -------------------------------------------------------------------------
     def _housekeep(self) -> None:
-        last_status = last_adopt = compact_after = next_rescan = 0.0
+        last_status = last_adopt = compact_after = 0.0
         failing: str | None = None  # the OSError last reported, until a status write succeeds
         while not self._stop.wait(0.1):
             try:
@@ -1027,17 +1023,7 @@ class WriteBehindTier:
                 now = time.monotonic()
                 if now - last_status >= 1.0:
                     last_status = now
-                    # The cache's scan is a stat per cached file: 36 ms of CPU for 16k
-                    # entries (a 64 GiB budget of 4 MiB chunks), in every process with a tier
-                    # (8 DCP ranks: 8 of them). It takes at most 1% of a core, so it runs
-                    # rarer when big; in between, each process counts its own moves and
-                    # evictions. staged/ and the journals, small, are scanned every second:
-                    # their bytes decide when the uploaders must drain.
-                    full = now >= next_rescan
-                    self._rescan(cache=full)
-                    if full:
-                        took = time.monotonic() - now
-                        next_rescan = now + min(30.0, max(1.0, 100 * took))
+                    self._rescan()
                     self._write_status()
                     if failing is not None:
                         log.info("write-behind housekeeping in %s works again", self.root)
@@ -1052,7 +1038,6 @@ class WriteBehindTier:
                 if now - last_adopt >= 5.0:
                     last_adopt = now
                     self.adopt_orphans()
-                self._make_room()
             except OSError as e:
                 # A full or failing disk: an expected condition, reported once (the pass
                 # retries), without a traceback, until a status write succeeds again.
@@ -1062,40 +1047,24 @@ class WriteBehindTier:
             except Exception:  # a bug: keep housekeeping alive; the next pass retries
                 log.exception("write-behind housekeeping failed")
 
-    def _rescan(self, cache: bool = True) -> None:
+    def _rescan(self) -> None:
         """Resync the space estimate with the directory (other processes stage and evict too).
         The journals count: their I records hold a second copy of small staged chunks.
-        cache=False keeps the cache's own estimate (`_cached`) instead of scanning it."""
-        pinned = _dir_bytes(self.staged_dir) + _dir_bytes(self.journal_dir)
-        cached = self.cache.usage() if cache else None
+
+        Every second, whatever the cache's size: it costs a stat per cached file (36 ms of
+        CPU for 16k entries, a 64 GiB budget of 4 MiB chunks, in every process with a
+        tier). Scanning the cache less often was tried: each process then counted only its
+        own evictions between scans, so other ranks' evictions left its `_used` over budget,
+        and its next put evicted that phantom excess (a review's repro: one 256 KiB put
+        removed 11 cached chunks)."""
+        cached = self.cache.usage()
+        used = _dir_bytes(self.staged_dir) + cached + _dir_bytes(self.journal_dir)
         with self._cond:
-            if cached is not None:
-                self._cached = cached
-            new = pinned + self._cached + self._reserved
+            self._cached = cached
+            new = used + self._reserved
             if new < self._used:
                 self._freed(self._used - new)
             self._used = new
-
-    def _make_room(self, step: int = 64 * 2**20) -> None:
-        """While the host is quiet, keep `headroom` of the budget free by evicting cache
-        entries unused for `trim_age` seconds, a slice per pass. Otherwise every put of the
-        next save into a full budget unlinks a cached object first: on this VM's disk
-        (mounted with discard) a 1 GiB save into a warm staging dir took 1.5 s against 1.2 s
-        into an empty one. Only old entries go: trimming whatever was oldest took part of
-        a checkpoint saved seconds before, and its load, missing those chunks, re-cached
-        each one by evicting another it was about to read (8 DCP ranks loading 1 GiB from
-        a 1.3 GB budget: 0.5x the disk's speed instead of 1.4x)."""
-        with self._cond:
-            excess = self._used - int((1 - self.headroom) * self.budget)
-            if excess <= 0 or self._cached <= 0:
-                return
-        if self._busy_for() > 0:
-            return
-        freed = self.cache.evict(min(excess, step), older_than=time.time() - self.trim_age)
-        if freed:
-            with self._cond:
-                self._cached = max(0, self._cached - freed)
-                self._freed(freed)
 
     def _clean_tmp(self) -> None:
         """Remove temp files of dead writers (their chunks were never acknowledged)."""
