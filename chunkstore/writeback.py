@@ -674,10 +674,6 @@ class WriteBehindTier:
             return 0.0
         if self._queue and time.time_ns() - self._queue[0][0] > self.max_defer_s * 1e9:
             return 0.0
-        return self._busy_for()
-
-    def _busy_for(self) -> float:
-        """0 when no process on the host has put for `idle_s`, else seconds left to wait."""
         quiet = time.monotonic() - self._last_put
         if quiet < self.idle_s:
             return self.idle_s - quiet
@@ -738,8 +734,7 @@ class WriteBehindTier:
                 finally:
                     self._cond.acquire()
                 if freed:
-                    self._cached = max(0, self._cached - freed)
-                    self._freed(freed)
+                    self._evicted(freed)
                 if self._used + n <= self.budget:
                     break
                 if self._own_staged == 0 and self._reserved == 0 and n > self.budget:
@@ -765,6 +760,11 @@ class WriteBehindTier:
         self._last_freed = time.monotonic()
         self._cond.notify_all()
 
+    def _evicted(self, n: int) -> None:
+        """`n` bytes of the read cache were evicted (under _cond)."""
+        self._cached = max(0, self._cached - n)
+        self._freed(n)
+
     def _cache_if_room(self, cid: bytes, blob: bytes) -> None:
         """Keep a copy for readers if the budget allows, evicting older cache entries."""
         n = len(blob)
@@ -776,8 +776,7 @@ class WriteBehindTier:
                     freed = self.cache.evict(need)
                 finally:
                     self._cond.acquire()
-                self._cached = max(0, self._cached - freed)
-                self._freed(freed)
+                self._evicted(freed)
                 if self._used + n > self.budget:
                     return
             self._used += n
