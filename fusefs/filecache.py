@@ -235,6 +235,14 @@ class DirtyBlock:
                 self.buf = Pieces([memoryview(data)])
                 self._add_span(off, end)
                 return
+            if big and len(buf) < PIECE_MIN:
+                # A small head, then the bulk: torch.save's zip headers and its requests
+                # that straddle a block boundary start most blocks with a few KiB. Copying
+                # the head keeps the bulk as views; taking a pooled buffer here made every
+                # later write into the block a copy (nearly all of a checkpoint's bytes).
+                self.buf = Pieces([memoryview(bytes(buf)), memoryview(data)])
+                self._add_span(off, end)
+                return
         if isinstance(buf, Pieces):
             self._materialize()
         if len(self.buf) < end:

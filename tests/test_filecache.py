@@ -53,6 +53,26 @@ def test_unaligned_writers_split_requests_keep_big_pieces_uncopied():
     assert [p.obj for p in big_views] == reqs  # views of the requests, not copies
 
 
+def test_a_small_head_then_big_appends_keep_the_bulk_uncopied():
+    """torch.save starts most blocks with a few KiB (a zip header, or the end of a request
+    that straddles the block boundary), then appends 1 MiB requests: the head is copied,
+    the requests stay views. A pooled buffer taken at the first big append made every later
+    write into the block a copy."""
+    blk = DirtyBlock(1, 0, BufferPool(BLOCK, 2))
+    head = os.urandom(3 * KiB)  # a request's last pages, the caller's buffer
+    blk.write(0, memoryview(bytearray(head)), stable=False)
+    want = bytearray(head)
+    reqs = []
+    while len(want) < BLOCK:
+        req = os.urandom(min(KiB * KiB, BLOCK - len(want)))
+        reqs.append(req)
+        blk.write(len(want), memoryview(req), stable=True)
+        want += req
+    assert isinstance(blk.buf, Pieces)
+    assert _content(blk) == want and blk.covers(BLOCK)
+    assert [p.obj for p in blk.buf.parts[1:]] == reqs  # views of the requests
+
+
 def test_small_appends_past_the_piece_limit_and_overwrites_materialize():
     blk = DirtyBlock(1, 0, BufferPool(BLOCK, 2))
     want = bytearray(os.urandom(PIECE_MIN))
