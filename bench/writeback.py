@@ -13,7 +13,7 @@ its nodes throttled inside the daemon; the drain is `user.ckptfs.flush` (umount 
 
 With --warm, a long-running host's case too: saves into a staging dir whose read cache
 already fills the budget (every put evicts), against the same saves into an empty one, nodes
-unthrottled (`warm.warm_vs_cold_save`, target >= 0.9).
+unthrottled (`warm.warm_vs_cold_save`: below 1 by what unlinking the evicted objects costs).
 """
 
 from __future__ import annotations
