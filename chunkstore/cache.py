@@ -183,16 +183,6 @@ class ChunkCache:
             return 0
         return len(blob)
 
-    def usage(self) -> int:
-        total = 0
-        with os.scandir(self.dir) as it:
-            for e in it:
-                try:
-                    total += e.stat().st_size
-                except FileNotFoundError:
-                    pass
-        return total
-
     def evict(self, need: int) -> int:
         """Delete least recently used entries until `need` bytes are freed; returns freed.
 

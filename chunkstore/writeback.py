@@ -1056,7 +1056,7 @@ class WriteBehindTier:
         own evictions between scans, so other ranks' evictions left its `_used` over budget,
         and its next put evicted that phantom excess (a review's repro: one 256 KiB put
         removed 11 cached chunks)."""
-        cached = self.cache.usage()
+        cached = _dir_bytes(self.cache.dir)
         used = _dir_bytes(self.staged_dir) + cached + _dir_bytes(self.journal_dir)
         with self._cond:
             self._cached = cached

@@ -575,9 +575,7 @@ def test_uploader_yields_to_foreground_writes_host_wide(vol_path, tmp_path):
 def test_cache_eviction_is_oldest_first_and_scans_once_for_many(tmp_path, monkeypatch):
     """Evicting one entry at a time (as puts into a full tier do) scans the directory once,
     takes the oldest first, and keeps an entry read since the scan."""
-    from chunkstore.cache import ChunkCache
-
-    cache = ChunkCache(str(tmp_path / "staging"), seed=0)
+    cache = chunkstore.cache.ChunkCache(str(tmp_path / "staging"), seed=0)
     ids = [bytes([i]) * 16 for i in range(10)]
     for i, cid in enumerate(ids):
         assert cache.add(cid, b"x" * 1000) == 1000
