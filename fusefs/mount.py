@@ -179,7 +179,7 @@ class CkptFS(pyfuse3.Operations):
         st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
         # Not a second stat here: on this (the serving) thread, a stat whose cached
         # attributes have expired waits for a GETATTR that only this thread can answer.
-        _tune_readahead(st.st_dev)
+        tune_readahead(st.st_dev)
         if on_ready is not None:
             on_ready()
 
@@ -728,7 +728,7 @@ def _invalidate_attr(inode: int) -> None:
             log.warning("invalidate inode %d: %s", inode, e)
 
 
-def _tune_readahead(dev: int) -> None:
+def tune_readahead(dev: int) -> None:
     """Raise the kernel's read-ahead for this mount (root only; best effort).
 
     The default 128 KiB turns a sequential read into many small FUSE requests;
