@@ -507,7 +507,7 @@ class WriteBehindTier:
         buffers (the encoded object's parts, see codec.raw_parts), written out in order."""
         if self._stop.is_set():
             raise RuntimeError("write-behind tier is closed")
-        self._foreground()
+        self.foreground()
         if not sync and self.durability == "local":
             return self._put_unsynced(cid, blob, width)
         if isinstance(blob, list):
@@ -595,7 +595,7 @@ class WriteBehindTier:
                 batch = list(self._unsynced.items())
             if not batch:
                 return 0
-            self._foreground()  # the fsyncs are foreground work too: uploaders keep off
+            self.foreground()  # the fsyncs are foreground work too: uploaders keep off
             from concurrent.futures import ThreadPoolExecutor
 
             paths = [tmp for _, (tmp, _, payload) in batch if payload is None]
@@ -623,7 +623,7 @@ class WriteBehindTier:
                     if payload is not None:
                         self._inline_held -= n
                 self._cond.notify_all()
-            self._foreground()
+            self.foreground()
             return len(batch)
 
     def discard_unsynced(self) -> None:
@@ -642,9 +642,13 @@ class WriteBehindTier:
                     pass
             self._cond.notify_all()
 
-    def _foreground(self) -> None:
+    def foreground(self) -> None:
         """Note a foreground write, here and host-wide (the activity file's mtime), so every
-        uploader on the host holds off while any process on it is saving."""
+        uploader on the host holds off while any process on it is saving. Writers call it
+        for content they find already stored too (`Volume.missing_chunks`): a step-2 save
+        is mostly such content, and with only its few new chunks counted the uploaders saw
+        half-second lulls and compressed and uploaded in the middle of it, taking the GIL
+        from the serving thread for each chunk's copies."""
         self._last_put = time.monotonic()
         now = time.time()
         if now - self._last_mark >= 0.05:

@@ -602,7 +602,7 @@ class _ChunkFile:
         seed = self.vol.seed
         ids = list(self.vol.pool.map(lambda b: pieces_id(b[1], seed), batch))
         ask = [cid for cid in dict.fromkeys(ids) if cid not in self._planned]
-        missing = self.vol.meta.missing_chunks(ask) if ask else set()
+        missing = self.vol.missing_chunks(ask) if ask else set()
         for (off, pieces, n, (codec_name, width)), cid in zip(batch, ids, strict=True):
             self.extents.append(Extent(off, n, cid, 0))
             if cid in missing and cid not in self._planned:

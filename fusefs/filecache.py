@@ -665,7 +665,7 @@ class FileCache:
         small enough to be inline skips the query: its record carries the bytes, and the
         commit keeps the chunk row already there if there is one."""
         cid = self._chunk_id(data)
-        if len(data) > INLINE_DATA_MAX and not self.vol.meta.missing_chunks([cid]):
+        if len(data) > INLINE_DATA_MAX and not self.vol.missing_chunks([cid]):
             return cid, None
         return cid, self._put(cid, data)
 

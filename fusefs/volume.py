@@ -431,6 +431,14 @@ class Volume:
             return [chunk_id(raws[0], self.seed)]
         return list(self.pool.map(lambda r: chunk_id(r, self.seed), raws))
 
+    def missing_chunks(self, ids: list[bytes]) -> set[bytes]:
+        """Which of these chunks the volume lacks, asked by a writer about to store them;
+        the rest are written already (dedup). Asking counts as a foreground write for the
+        host's tier: see WriteBehindTier.foreground."""
+        if self.tier is not None:
+            self.tier.foreground()
+        return self.meta.missing_chunks(ids)
+
     def store_chunk(
         self,
         cid: bytes,
@@ -640,7 +648,7 @@ class FileWriter:
         batch, self._batch = self._batch, []
         ids = self.vol.hash_many([raw for _, raw in batch])
         ask = [cid for cid in dict.fromkeys(ids) if cid not in self._planned]
-        missing = self.vol.meta.missing_chunks(ask) if ask else set()
+        missing = self.vol.missing_chunks(ask) if ask else set()
         for (off, raw), cid in zip(batch, ids, strict=True):
             self.extents.append(Extent(off, len(raw), cid, 0))
             if cid in missing and cid not in self._planned:

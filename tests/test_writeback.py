@@ -572,6 +572,31 @@ def test_uploader_yields_to_foreground_writes_host_wide(vol_path, tmp_path):
         other.close()
 
 
+def test_a_save_of_known_content_holds_the_uploaders_off(vol_path, tmp_path):
+    """A save whose chunks are all stored already puts nothing, but it is a save all the
+    same: its "which are missing?" questions keep the host's uploaders off until it ends."""
+    staging = str(tmp_path / "staging")
+    v = _open(vol_path, staging, size=256 * MiB, idle_s=0.5)
+    try:
+        ino = v.write_file("/known", _data(256 * 1024, 7)).ino
+        known = [e.chunk_id for e in v.meta.get_extents(ino)]
+        v.tier.flush(timeout=60)
+        uploaded = v.tier.uploaded_chunks
+        cid, raw = _raw_chunk(v, 256 * 1024, 8)
+        v.tier.put(cid, codec.encode(raw, "none"))  # staged, waiting for a quiet host
+        end = time.monotonic() + 1.5  # three times idle_s
+        asked = 0
+        while time.monotonic() < end:
+            assert v.missing_chunks(known) == set()
+            asked += 1
+            time.sleep(0.02)
+            assert v.tier.uploaded_chunks == uploaded, asked
+        _wait(lambda: v.tier.drained(), 30, "the tier to drain once the save is over")
+        assert v.tier.uploaded_chunks == uploaded + 1
+    finally:
+        v.close()
+
+
 def test_cache_eviction_is_oldest_first_and_scans_once_for_many(tmp_path, monkeypatch):
     """Evicting one entry at a time (as puts into a full tier do) scans the directory once,
     takes the oldest first, and keeps an entry read since the scan."""
