@@ -43,6 +43,7 @@ class _File:
         self.fd = fd
         self.size = 0
         self.mode = stat.S_IFREG | 0o644
+        self.error: OSError | None = None
 
 
 class FloorFS(pyfuse3.Operations):
@@ -61,7 +62,10 @@ class FloorFS(pyfuse3.Operations):
     def _writer(self) -> None:
         while True:
             f, buf, off = self.queue.get()
-            os.pwrite(f.fd, buf, off)
+            try:
+                os.pwrite(f.fd, buf, off)
+            except OSError as e:  # reported by the file's next fsync
+                f.error = e
             with self.done:
                 self.pending[f.ino] -= 1
                 self.done.notify_all()
@@ -69,6 +73,8 @@ class FloorFS(pyfuse3.Operations):
     def _settled(self, f: _File) -> None:
         with self.done:
             self.done.wait_for(lambda: not self.pending.get(f.ino))
+        if f.error is not None:
+            raise pyfuse3.FUSEError(f.error.errno or errno.EIO)
         os.fsync(f.fd)
 
     def _attr(self, inode: int) -> pyfuse3.EntryAttributes:
