@@ -15,10 +15,10 @@ what to compare:
 - The framework's floors (bench/floorfs.py): the same 1 GiB write, and step 2 of the
   checkpoint workload, through a minimal pyfuse3 filesystem that drops the bytes
   (`framework_*`, `ckpt_step2_framework_*`); the write and cold read through one that
-  only stores them in files on the same disk (`storing_floor_*`). They show what pyfuse3
-  allows on this machine before any design choice of ours: `storing_floor_write_vs_disk`
-  is the best `write_vs_disk` a pyfuse3 filesystem that keeps the bytes reached here,
-  `ckpt_step2_framework_vs_disk` the best `ckpt_step2_vs_disk` any could.
+  only stores them in files on the same disk (`storing_floor_*`). They show what the
+  simplest filesystems on the same framework do on this machine: `storing_floor_write_vs_disk`
+  is the best `write_vs_disk` we found for a pyfuse3 filesystem that keeps the bytes, and
+  `ckpt_step2_framework_vs_disk` bounds `ckpt_step2_vs_disk` (nothing is stored at all).
 - 2,000 files of 4 KiB created, written and closed.
 - Peak RSS (VmHWM) of a fresh daemon while 8 GiB are written.
 

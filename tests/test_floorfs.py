@@ -4,9 +4,15 @@ must keep sizes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
+import time
+
+import pyfuse3
+import pytest
+import trio
 
 from bench.fuse import ROOT, unmount, wait_mounted
 
@@ -59,3 +65,71 @@ def test_the_dropping_floor_keeps_sizes_only(tmp_path):
     finally:
         unmount(mp, proc)
     assert proc.returncode == 0
+
+
+def _slow_writes(monkeypatch, delay: float, fail: OSError | None = None) -> list[int]:
+    """Make the writer thread's pwrite slow (so the queue fills) or fail; returns the
+    offsets it was asked to write."""
+    real = os.pwrite
+    seen: list[int] = []
+
+    def pwrite(fd, data, off):
+        seen.append(off)
+        time.sleep(delay)
+        if fail is not None:
+            raise fail
+        return real(fd, data, off)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    return seen
+
+
+def test_the_storing_floor_waits_for_its_queue(tmp_path, monkeypatch):
+    """With the writer behind (a full queue): a read returns what was written before it,
+    fsync returns once every byte is in the backing file, and a truncating open waits for
+    the queued writes instead of having them land past the new end."""
+    from bench.floorfs import QUEUE_DEPTH, FloorFS
+
+    store = str(tmp_path / "store")
+    os.makedirs(store)
+    fs = FloorFS(store)
+    seen = _slow_writes(monkeypatch, 0.002)
+    piece = 64 * 1024
+    data = os.urandom(piece * (QUEUE_DEPTH + 8))
+
+    async def run() -> None:
+        fi, _ = await fs.create(pyfuse3.ROOT_INODE, b"f", 0o644, os.O_WRONLY | os.O_CREAT, None)
+        for off in range(0, len(data), piece):
+            assert await fs.write(fi.fh, off, data[off : off + piece]) == piece
+        assert await fs.read(fi.fh, 0, len(data)) == data  # waited for the queue
+        for off in range(0, len(data), piece):
+            await fs.write(fi.fh, off, data[off : off + piece][::-1])
+        await fs.open(fi.fh, os.O_WRONLY | os.O_TRUNC, None)
+        assert await fs.read(fi.fh, 0, len(data)) == b""
+        await fs.write(fi.fh, 0, b"tail")
+        await fs.fsync(fi.fh, False)
+
+    trio.run(run)
+    assert len(seen) == 2 * len(data) // piece + 1
+    (backing,) = os.listdir(store)
+    with open(os.path.join(store, backing), "rb") as f:
+        assert f.read() == b"tail"
+
+
+def test_the_storing_floor_reports_a_failed_write_at_fsync(tmp_path, monkeypatch):
+    from bench.floorfs import FloorFS
+
+    store = str(tmp_path / "store")
+    os.makedirs(store)
+    fs = FloorFS(store)
+    _slow_writes(monkeypatch, 0, OSError(errno.ENOSPC, "full"))
+
+    async def run() -> None:
+        fi, _ = await fs.create(pyfuse3.ROOT_INODE, b"f", 0o644, os.O_WRONLY | os.O_CREAT, None)
+        await fs.write(fi.fh, 0, b"x" * 4096)
+        with pytest.raises(pyfuse3.FUSEError) as err:
+            await fs.fsync(fi.fh, False)
+        assert err.value.errno == errno.ENOSPC
+        await fs.fsync(fi.fh, False)  # reported once
+
+    trio.run(run)
