@@ -84,15 +84,22 @@ def _slow_writes(monkeypatch, delay: float, fail: OSError | None = None) -> list
     return seen
 
 
+def _storing_floor(tmp_path):
+    """A storing FloorFS driven in-process (no mount), and its backing directory."""
+    from bench.floorfs import FloorFS
+
+    store = str(tmp_path / "store")
+    os.makedirs(store)
+    return FloorFS(store), store
+
+
 def test_the_storing_floor_waits_for_its_queue(tmp_path, monkeypatch):
     """With the writer behind (a full queue): a read returns what was written before it,
     fsync returns once every byte is in the backing file, and a truncating open waits for
     the queued writes instead of having them land past the new end."""
-    from bench.floorfs import QUEUE_DEPTH, FloorFS
+    from bench.floorfs import QUEUE_DEPTH
 
-    store = str(tmp_path / "store")
-    os.makedirs(store)
-    fs = FloorFS(store)
+    fs, store = _storing_floor(tmp_path)
     seen = _slow_writes(monkeypatch, 0.002)
     piece = 64 * 1024
     data = os.urandom(piece * (QUEUE_DEPTH + 8))
@@ -117,11 +124,7 @@ def test_the_storing_floor_waits_for_its_queue(tmp_path, monkeypatch):
 
 
 def test_the_storing_floor_reports_a_failed_write_at_fsync(tmp_path, monkeypatch):
-    from bench.floorfs import FloorFS
-
-    store = str(tmp_path / "store")
-    os.makedirs(store)
-    fs = FloorFS(store)
+    fs, _ = _storing_floor(tmp_path)
     _slow_writes(monkeypatch, 0, OSError(errno.ENOSPC, "full"))
 
     async def run() -> None:
