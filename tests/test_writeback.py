@@ -132,7 +132,7 @@ def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path):
     checked against the id; compressed, torn, foreign or missing objects are refused (False),
     so the caller takes the decoding read instead; content that does not match its id is a
     format error."""
-    from chunkstore.cache import read_object_into
+    from chunkstore.cache import VERIFY_WINDOW, read_object_into
     from chunkstore.ids import chunk_id
 
     raw = os.urandom(300_000)
@@ -154,6 +154,21 @@ def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path):
     with open(path, "wb") as f:
         f.write(codec.encode(bytes(len(raw)), "zstd"))  # compressed
     assert not read_object_into(path, [memoryview(buf)], chunk_id(bytes(len(raw)), 7), 7)
+    # bigger than the read-and-hash window (VERIFY_WINDOW), views cut across windows; a
+    # flipped byte in the last window is caught as well as one in the first
+    big = os.urandom(3 * VERIFY_WINDOW + 12345)
+    with open(path, "wb") as f:
+        f.write(codec.encode(big, "none"))
+    parts = [bytearray(5), bytearray(VERIFY_WINDOW + 7), bytearray(len(big) - VERIFY_WINDOW - 12)]
+    assert read_object_into(path, [memoryview(p) for p in parts], chunk_id(big, 7), 7)
+    assert b"".join(parts) == big
+    for at in (0, len(big) - 1):
+        bad = bytearray(big)
+        bad[at] ^= 1
+        with open(path, "wb") as f:
+            f.write(codec.encode(bytes(bad), "none"))
+        with pytest.raises(codec.ChunkFormatError, match="chunk id"):
+            read_object_into(path, [memoryview(bytearray(len(big)))], chunk_id(big, 7), 7)
 
 
 def test_group_sync_shares_fsyncs():
