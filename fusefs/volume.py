@@ -141,7 +141,8 @@ class Volume:
             ]
         self.store = ChunkStore(nodes, self.settings.replicas, self.seed)
         self.store.on_under_replicated = getattr(meta, "record_under_replicated", None)
-        self.pool = ThreadPoolExecutor(workers or 8, thread_name_prefix="ckptfs-chunk")
+        self.workers = workers or 8  # threads of `pool`
+        self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ckptfs-chunk")
         self.tier = None  # the write-behind tier, when one is attached
 
     # -- opening -------------------------------------------------------------
