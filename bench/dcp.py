@@ -171,39 +171,26 @@ def _worker() -> None:
         # 3. CkptfsWriter, step 1 then step 2 (90% unchanged), into this round's fresh volume
         vol = paths["volume"]
         tier = {"staging": paths.get("staging") or False}
-        record(
-            "native_save_s",
-            timed(
-                lambda: dcp.save(sd1, storage_writer=CkptfsWriter(vol, "job/step-000001", **tier))
-            ),
-        )
-        # the save returned once staged (fsync'd on this host); the drain to the object nodes
-        # (compression + R replicas) runs after it, timed on its own, before the load
-        record("native_drain_s", timed(drain))
-        tgt = zeros()
-        record(
-            "native_load_s",
-            timed(
-                lambda: dcp.load(tgt, storage_reader=CkptfsReader(vol, "job/step-000001", **tier))
-            ),
-        )
-        record("native_load_ok", check(tgt, 1))
+
+        def native_step(step: int, sd: dict, key: str) -> None:
+            # the save returns once staged (fsync'd on this host); the drain to the object
+            # nodes (compression + R replicas) runs after it, timed on its own, before the load
+            path = f"job/step-{step:06d}"
+            record(
+                f"{key}_save_s",
+                timed(lambda: dcp.save(sd, storage_writer=CkptfsWriter(vol, path, **tier))),
+            )
+            record(f"{key}_drain_s", timed(drain))
+            tgt = zeros()
+            record(
+                f"{key}_load_s",
+                timed(lambda: dcp.load(tgt, storage_reader=CkptfsReader(vol, path, **tier))),
+            )
+            record(f"{key}_load_ok", check(tgt, step))
+
+        native_step(1, sd1, "native")
         sd2 = state(2)
-        record(
-            "native_step2_save_s",
-            timed(
-                lambda: dcp.save(sd2, storage_writer=CkptfsWriter(vol, "job/step-000002", **tier))
-            ),
-        )
-        record("native_step2_drain_s", timed(drain))
-        tgt = zeros()
-        record(
-            "native_step2_load_s",
-            timed(
-                lambda: dcp.load(tgt, storage_reader=CkptfsReader(vol, "job/step-000002", **tier))
-            ),
-        )
-        record("native_step2_load_ok", check(tgt, 2))
+        native_step(2, sd2, "native_step2")
         # DCP's own cost for this state dict: the same save into a writer that stores nothing
         # (planning, the collectives, the item walk). No backend's save can be faster.
         record(
