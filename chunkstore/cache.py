@@ -22,11 +22,9 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import xxhash
-
 from chunkstore import codec
 from chunkstore.fileio import write_new
-from chunkstore.ids import chunk_id
+from chunkstore.ids import chunk_id, id_hasher
 
 log = logging.getLogger("ckptfs.cache")
 
@@ -110,7 +108,7 @@ def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int) -> bool:
         return False
     if os.fstat(fd).st_size != codec.HEADER + raw_len:
         return False
-    h = xxhash.xxh3_128(seed=seed)
+    h = id_hasher(seed)
     pos = codec.HEADER
     for v in views:
         done = 0

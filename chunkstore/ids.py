@@ -19,11 +19,16 @@ def chunk_id(data: bytes | memoryview, seed: int) -> bytes:
     return xxhash.xxh3_128_digest(data, seed=seed)
 
 
+def id_hasher(seed: int) -> xxhash.xxh3_128:
+    """A chunk_id computed in steps: update() with the bytes in order, digest() is the id."""
+    return xxhash.xxh3_128(seed=seed)
+
+
 def pieces_id(pieces: list[bytes | memoryview], seed: int) -> bytes:
     """chunk_id of the concatenated pieces, without concatenating them."""
     if len(pieces) == 1:
         return chunk_id(pieces[0], seed)
-    h = xxhash.xxh3_128(seed=seed)
+    h = id_hasher(seed)
     for p in pieces:
         h.update(p)
     return h.digest()
