@@ -77,7 +77,6 @@ from torch.futures import Future
 import chunkstore.writeback  # noqa: F401 - imported with this module, not inside the first save
 import metadata.sqlite  # noqa: F401 - (the Volume imports them lazily; profiled: ~0.2 s a rank)
 from chunkstore import codec
-from chunkstore.ids import pieces_id
 from fusefs.volume import FileWriter, Volume, drain_quietly, maybe_inline
 from metadata.engine import DURABLE, Extent, MetaError, NewChunk
 
@@ -599,7 +598,7 @@ class _ChunkFile:
         if not self._batch:
             return
         batch, self._batch = self._batch, []
-        ids = _hash_pieces(self.vol, [pieces for _, pieces, _, _ in batch])
+        ids = self.vol.hash_many([pieces for _, pieces, _, _ in batch])
         ask = [cid for cid in dict.fromkeys(ids) if cid not in self._planned]
         missing = self.vol.missing_chunks(ask) if ask else set()
         for (off, pieces, n, (codec_name, width)), cid in zip(batch, ids, strict=True):
@@ -634,21 +633,6 @@ class _ChunkFile:
 
 
 _KEEP_MIN = 64 * 1024  # smaller writes are copied (cheap, and may be torch's own buffers)
-
-
-def _hash_pieces(vol: Volume, chunks: list[list[bytes | memoryview]]) -> list[bytes]:
-    """The ids of a batch of chunks, hashed on the volume's pool in one task per worker
-    (interleaved, so big and small chunks spread evenly) rather than one per chunk: each
-    task is a wake-up and a GIL handoff, and eight ranks on two cores pay for every one."""
-    seed = vol.seed
-    n = min(len(chunks), vol.workers)
-    if n <= 1:
-        return [pieces_id(p, seed) for p in chunks]
-    parts = list(vol.pool.map(lambda k: [pieces_id(p, seed) for p in chunks[k::n]], range(n)))
-    out: list[bytes] = [b""] * len(chunks)
-    for k, ids in enumerate(parts):
-        out[k::n] = ids
-    return out
 
 
 def _store(

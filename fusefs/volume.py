@@ -30,10 +30,11 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from chunkstore import codec
 from chunkstore.chunker import MAX_CHUNK, MIN_CHUNK, make_chunker
-from chunkstore.ids import chunk_id
+from chunkstore.ids import chunk_id, pieces_id
 from chunkstore.node import NodeInfo, ObjectNode, open_node, parse_node_url
 from chunkstore.store import ChunkStore, ChunkUnavailable
 from metadata.engine import (
@@ -427,10 +428,24 @@ class Volume:
         s = self.settings
         return make_chunker(s.chunking, s.chunk_size, min_size=s.cdc_min, max_size=s.cdc_max)
 
-    def hash_many(self, raws: list[bytes]) -> list[bytes]:
-        if len(raws) == 1:
-            return [chunk_id(raws[0], self.seed)]
-        return list(self.pool.map(lambda r: chunk_id(r, self.seed), raws))
+    def hash_many(self, chunks: list[Any]) -> list[bytes]:
+        """The ids of a batch of chunks, each one buffer or a list of pieces (pieces_id).
+
+        Hashed on the pool in one task per worker (interleaved, so big and small chunks
+        spread evenly) rather than one per chunk: each task is a wake-up and a GIL handoff,
+        and eight DCP ranks on two cores pay for every one."""
+        seed = self.seed
+
+        def ids(part: list[Any]) -> list[bytes]:
+            return [pieces_id(c, seed) if isinstance(c, list) else chunk_id(c, seed) for c in part]
+
+        n = min(len(chunks), self.workers)
+        if n <= 1:
+            return ids(chunks)
+        out: list[bytes] = [b""] * len(chunks)
+        for k, part in enumerate(self.pool.map(lambda k: ids(chunks[k::n]), range(n))):
+            out[k::n] = part
+        return out
 
     def missing_chunks(self, ids: list[bytes]) -> set[bytes]:
         """Which of these chunks the volume lacks, asked by a writer about to store them;

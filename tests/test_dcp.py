@@ -559,16 +559,15 @@ def test_saved_tensor_bytes_equal_torch_save_from_the_envelope_cache():
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_batch_hashing_keeps_each_chunk_with_its_id(tmp_path, workers):
-    """_hash_pieces spreads a batch over the pool interleaved; every id must come back in
+    """Volume.hash_many spreads a batch over the pool interleaved; every id must come back in
     its chunk's place, whatever the batch and pool sizes (an id in the wrong place would
     commit one chunk's extent under another's content)."""
     from chunkstore.ids import pieces_id
-    from fusefs import dcp as d
 
     Volume.create(str(tmp_path / "v")).close()
     with Volume.open(str(tmp_path / "v"), workers=workers) as vol:
         for n in (0, 1, 2, 3, 5, 17):
             chunks = [[os.urandom(100 + 37 * i), memoryview(os.urandom(i))] for i in range(n)]
             want = [pieces_id(p, vol.seed) for p in chunks]
-            assert d._hash_pieces(vol, chunks) == want
+            assert vol.hash_many(chunks) == want
             assert len(set(want)) == n
