@@ -112,7 +112,7 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def run(engine: str, n: int, procs: int, tmp: str, tls: bool = False) -> dict:
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
     from metadata.client import connect
     from tests.fixtures.postgres import PgCluster, pg_available
     from tests.fixtures.service import MetaServer, self_signed

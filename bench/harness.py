@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from bench.common import disk_write
 from bench.harness_data import KINDS, ShardMaker
 from chunkstore.chunker import MAX_CHUNK, MIN_CHUNK
-from fusefs.progress import Progress
+from fusefs.cli.progress import Progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_TIMEOUT = 180.0

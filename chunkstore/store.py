@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from chunkstore import codec
 from chunkstore.health import NodeHealth
 from chunkstore.ids import chunk_id
-from chunkstore.node import NodeError, ObjectMissing, ObjectNode
+from chunkstore.nodes import NodeError, ObjectMissing, ObjectNode
 from chunkstore.placement import place, rank_nodes
 
 log = logging.getLogger("ckptfs.store")

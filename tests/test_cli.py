@@ -96,7 +96,7 @@ def test_get_of_a_node_without_bytes_is_an_error(tmp_path):
     used to write an empty file)."""
     import stat
 
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
     from metadata.engine import ROOT_INO
 
     vol = tmp_path / "vol"

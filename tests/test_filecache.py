@@ -9,7 +9,8 @@ import pytest
 import trio
 import trio.testing
 
-from fusefs.filecache import (
+from fusefs.client.volume import Volume
+from fusefs.mount.filecache import (
     PIECE_MIN,
     PIECES_MAX,
     BufferPool,
@@ -19,7 +20,6 @@ from fusefs.filecache import (
     Pieces,
     _parts,
 )
-from fusefs.volume import Volume
 from metadata.engine import MetaError
 
 KiB = 1024
@@ -215,7 +215,7 @@ def test_records_of_superseded_small_blocks_are_dropped_before_the_commit(vol):
     16 KiB a seal, and over the service such a commit outgrew the frame limit and failed
     for good. Records no extent names any more are dropped; the commit stores the last
     version, and the chunks of the versions before it are stored nowhere."""
-    from fusefs.filecache import RECORDS_MAX
+    from fusefs.mount.filecache import RECORDS_MAX
 
     attr = vol.write_file("/f", b"")
     versions = [os.urandom(8 * KiB) for _ in range(3 * RECORDS_MAX)]
@@ -234,5 +234,5 @@ def test_records_of_superseded_small_blocks_are_dropped_before_the_commit(vol):
 
     _run(vol, attr, body)
     assert vol.read_file("/f") == versions[-1]
-    old = vol.hash_many(versions[:-1])
+    old = vol.sink.ids(versions[:-1])
     assert vol.meta.missing_chunks(old) == set(old)

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from chunkstore.node import NodeError, ObjectMissing, parse_node_url
-from chunkstore.s3node import S3Node
-from fusefs.cli import main
-from fusefs.volume import Volume, VolumeSettings
+from chunkstore.nodes import NodeError, ObjectMissing, parse_node_url
+from chunkstore.nodes.s3 import S3Node
+from fusefs.cli.main import main
+from fusefs.client.volume import Volume, VolumeSettings
 from metadata.engine import INLINE_DATA_MAX
 
 CHUNK = 256 * 1024

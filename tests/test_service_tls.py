@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 from metadata.client import connect
 from metadata.engine import MetaError
 from metadata.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame

@@ -18,7 +18,7 @@ import pytest
 
 import chunkstore.cache
 from chunkstore import codec
-from chunkstore.writeback import (
+from chunkstore.tier.tier import (
     INLINE_MAX,
     KIND_DONE,
     KIND_PENDING,
@@ -30,8 +30,8 @@ from chunkstore.writeback import (
     parse_segment,
     read_segment,
 )
-from fusefs.cli import main as cli_main
-from fusefs.volume import FileWriter, Volume, VolumeSettings
+from fusefs.cli.main import main as cli_main
+from fusefs.client.volume import FileWriter, Volume, VolumeSettings
 from tests.fixtures.throttle import read_counts, throttle_volume
 
 MiB = 2**20
@@ -273,7 +273,7 @@ def test_remote_durability_is_durable_on_return(vol_path, tmp_path):
 
 WRITER = r"""
 import sys, time, numpy as np
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 from tests.fixtures.throttle import throttle_volume
 vol = Volume.open(sys.argv[1])
 throttle_volume(vol, float(sys.argv[3]))
@@ -438,7 +438,7 @@ def test_housekeeping_reports_a_full_disk_once_and_recovers(vol_path, tmp_path, 
 
 READER = r"""
 import hashlib, os, sys, time
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 from tests.fixtures.throttle import throttle_volume
 vol = Volume.open(sys.argv[1])
 throttle_volume(vol, 200e6, count_file=sys.argv[3])
@@ -622,7 +622,7 @@ def test_a_save_of_known_content_holds_the_uploaders_off(vol_path, tmp_path):
         end = time.monotonic() + 1.5  # three times idle_s
         asked = 0
         while time.monotonic() < end:
-            assert v.missing_chunks(known) == set()
+            assert v.sink.missing(known) == set()
             asked += 1
             time.sleep(0.02)
             assert v.tier.uploaded_chunks == uploaded, asked
@@ -740,7 +740,7 @@ UNSYNCED_CHILD = r"""
 import sys, time
 from chunkstore import codec
 from chunkstore.ids import chunk_id
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 vol = Volume.open(sys.argv[1])
 vol.attach_tier(sys.argv[2], size=64 * 2**20)
 for s in range(3):
@@ -778,7 +778,7 @@ def test_kill9_before_sync_leaves_no_journal_reference(vol_path, tmp_path):
 
 SMALL_CHILD = r"""
 import sys, time
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 vol = Volume.open(sys.argv[1])
 vol.attach_tier(sys.argv[2], size=64 * 2**20, idle_s=600)  # nothing uploads before the kill
 for i in range(6):
@@ -852,7 +852,7 @@ def test_compaction_copies_inline_records_from_the_journal(vol_path, tmp_path):
 def test_a_journal_write_cut_short_by_a_full_disk_leaves_no_fragment(tmp_path, monkeypatch):
     """A partial append is cut off again: a fragment would hide every later record from a
     replay and shift the offsets compaction copies I records from."""
-    import chunkstore.writeback as wb
+    import chunkstore.tier.tier as wb
 
     seg = wb.Segment(str(tmp_path), "host-1-x.jnl")
     a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
@@ -964,7 +964,7 @@ def test_transcode_at_upload_and_raw_reads_verified(vol_path, tmp_path):
 def test_compressed_at_upload_reports_stored_size(tmp_path):
     """A chunk staged raw and compressed by the uploader: stats count its size on the nodes."""
     from chunkstore import codec as _codec
-    from fusefs.volume import Volume as _Volume
+    from fusefs.client.volume import Volume as _Volume
 
     def transcode(blob: bytes, width: int | None) -> bytes:
         return _codec.encode(_codec.decode(blob), "zstd")

@@ -20,12 +20,10 @@ ids of blocks sealed meanwhile queue up for the next one, so concurrent writers 
 metadata transaction per batch, not one per block. A file that is one small block (the
 small-file case) is hashed, stored and committed in a single worker call at close.
 
-With a local write-behind tier, new chunks are staged without fsync (`put(sync=False)`)
-and acknowledged in one batch (`sync_staged`) right before the commit that names them,
-so a save pays one round of fsyncs per commit instead of three per chunk. A chunk read
-back before its commit is synced first (the tier serves only acknowledged chunks), and a
-long write syncs every `unsynced_max` bytes: unacknowledged chunks cannot be uploaded, so
-without that bound they would fill the staging budget and stall the writer.
+Sealed blocks go through the volume's one chunk sink (fusefs.client.sink), which stores
+them unsynced and acknowledges them in one batch right before the commit that names them
+(and bounds the unacknowledged bytes). A chunk read back before its commit is synced first:
+the tier serves only acknowledged chunks.
 
 Reads see committed extents, then blocks being stored, then dirty spans. A read inside one
 cached chunk is answered with a view of it (no copy on the trio thread).
@@ -36,11 +34,8 @@ following chunks.
 
 from __future__ import annotations
 
-import bisect
 import errno
 import logging
-import sqlite3
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -48,9 +43,9 @@ from typing import Any
 
 import trio
 
-from chunkstore import codec
 from chunkstore.ids import pieces_id
-from fusefs.volume import Volume, maybe_inline
+from fusefs.client.extents import clip, maybe_inline, overlapping, splice
+from fusefs.client.volume import Volume
 from metadata.engine import (
     INLINE,
     INLINE_DATA_MAX,
@@ -72,56 +67,6 @@ class FileError(Exception):
     def __init__(self, err: int, message: str) -> None:
         super().__init__(message)
         self.errno = err
-
-
-# -- extent list arithmetic (pure; extents are sorted and disjoint) -----------------
-def splice(extents: list[Extent], start: int, end: int, new: list[Extent]) -> list[Extent]:
-    """A new list where [start, end) is replaced by `new` (which lies inside it)."""
-    out: list[Extent] = []
-    placed = False
-    for e in extents:
-        e_end = e.offset + e.length
-        if e_end <= start or e.offset >= end:
-            if e.offset >= end and not placed:
-                out.extend(new)
-                placed = True
-            out.append(e)
-            continue
-        if e.offset < start:
-            out.append(Extent(e.offset, start - e.offset, e.chunk_id, e.chunk_off))
-        if e_end > end:
-            if not placed:
-                out.extend(new)
-                placed = True
-            cut = end - e.offset
-            out.append(Extent(end, e_end - end, e.chunk_id, e.chunk_off + cut))
-    if not placed:
-        out.extend(new)
-    return out
-
-
-def clip(extents: list[Extent], size: int) -> list[Extent]:
-    """The extents cut at the file size (what a truncate keeps)."""
-    out = []
-    for e in extents:
-        if e.offset >= size:
-            break
-        if e.offset + e.length > size:
-            e = Extent(e.offset, size - e.offset, e.chunk_id, e.chunk_off)
-        out.append(e)
-    return out
-
-
-def overlapping(extents: list[Extent], starts: list[int], lo: int, hi: int) -> list[int]:
-    """Indexes of the extents that overlap [lo, hi)."""
-    i = max(0, bisect.bisect_right(starts, lo) - 1)
-    out = []
-    while i < len(extents) and extents[i].offset < hi:
-        e = extents[i]
-        if e.offset + e.length > lo:
-            out.append(i)
-        i += 1
-    return out
 
 
 # -- dirty blocks ------------------------------------------------------------------
@@ -445,7 +390,6 @@ class FileCache:
         cache_max: int = 128 * 2**20,
         readahead: int = 8,
         workers: int = 6,
-        unsynced_max: int = 256 * 2**20,
         local: Any = None,
     ) -> None:
         self.vol = vol
@@ -456,7 +400,6 @@ class FileCache:
         self.inflight_max = inflight_max
         self.cache_max = cache_max
         self.readahead = readahead
-        self.unsynced_max = unsynced_max
         self.store_limiter = trio.CapacityLimiter(workers)
         self.fetch_limiter = trio.CapacityLimiter(workers)
         self.meta_limiter = trio.CapacityLimiter(4)
@@ -469,9 +412,6 @@ class FileCache:
         self._cached_bytes = 0
         self._ahead_bytes = 0  # read-ahead slots not read yet (a block each)
         self._changed = trio.lowlevel.ParkingLot()
-        self._unsynced: dict[bytes, int] = {}  # staged by us without fsync: stored bytes
-        self._unsynced_bytes = 0
-        self._unsynced_lock = threading.Lock()
 
     async def meta(self, fn, *args, **kw):
         """Run a blocking metadata call in a worker thread."""
@@ -657,60 +597,17 @@ class FileCache:
         self.dirty_bytes += blk.nbytes
         st.blocks[idx] = blk
 
-    def _chunk_id(self, data: memoryview | Pieces) -> bytes:
-        return pieces_id(_parts(data), self.vol.seed)
-
     def _hash_and_store(self, data: memoryview | Pieces) -> tuple[bytes, NewChunk | None]:
-        """Worker thread: id, one "is it known?" query, and the store if it is not. A chunk
-        small enough to be inline skips the query: its record carries the bytes, and the
-        commit keeps the chunk row already there if there is one."""
-        cid = self._chunk_id(data)
-        if len(data) > INLINE_DATA_MAX and not self.vol.missing_chunks([cid]):
-            return cid, None
-        return cid, self._put(cid, data)
+        """Worker thread: the block through the volume's chunk sink in one call."""
+        return self.vol.sink.hash_and_store(_parts(data), len(data))
 
     def _put(self, cid: bytes, data: bytes | memoryview | Pieces) -> NewChunk:
-        """Worker thread: encode and store a new chunk; staged unsynced when the tier can."""
-        tier = self.vol.tier
-        local = getattr(tier, "durability", None) == "local" and hasattr(tier, "sync_staged")
-        if not local or len(data) <= INLINE_DATA_MAX:  # Volume.store_chunk decides on inline
-            parts = _parts(data)
-            raw = parts[0] if len(parts) == 1 else b"".join(parts)
-            return self.vol.store_chunk(cid, raw, inline=True)
-        # Staged raw; the uploader compresses (codec.transcoder), off the save's critical path.
-        # Encoding here ran the float codec inline: the 8-thread torch.save workload took
-        # 5.2 s for step 1 and 3.3 s for step 2 encoded, 2.1-2.3 s and 1.4 s raw.
-        parts = codec.raw_parts(_parts(data))
-        stored = sum(memoryview(p).nbytes for p in parts)
-        state = tier.put(cid, parts, sync=False)
-        with self._unsynced_lock:
-            if cid not in self._unsynced:
-                self._unsynced[cid] = stored
-                self._unsynced_bytes += stored
-            full = self._unsynced_bytes > self._unsynced_cap(tier)
-        if full:
-            self._sync()
-        return NewChunk(cid, len(data), stored, state)
-
-    def _unsynced_cap(self, tier) -> int:
-        """Unacknowledged bytes allowed: a quarter of the staging budget, at most unsynced_max."""
-        budget = getattr(tier, "budget", None)
-        return min(self.unsynced_max, budget // 4) if budget else self.unsynced_max
-
-    def _sync(self) -> None:
-        """Worker thread: acknowledge every chunk staged unsynced (before a commit names it)."""
-        with self._unsynced_lock:
-            ids = list(self._unsynced)
-        if not ids:
-            return
-        self.vol.tier.sync_staged()
-        with self._unsynced_lock:
-            for cid in ids:
-                self._unsynced_bytes -= self._unsynced.pop(cid, 0)
+        """Worker thread: store a block already known to be new (ChunkSink.store)."""
+        return self.vol.sink.store(cid, _parts(data), len(data), inline=True)
 
     def _publish(self, ino: int, extents, size: int, chunks: list[NewChunk], mtime_ns: int):
-        """Worker thread: sync what was staged unsynced, then commit the file."""
-        self._sync()
+        """Worker thread: sync what was stored unsynced, then commit the file."""
+        self.vol.sink.sync()
         return self.vol.meta.commit_file(ino, extents, size, chunks, mtime_ns=mtime_ns)
 
     async def settle(self, st: FileState) -> None:
@@ -842,7 +739,7 @@ class FileCache:
         attributes), None) when committed; (None, chunk id) when the content is new (the
         worker stores it without asking again); (None, None) for anything else (a busy
         database, a refusal): the worker path."""
-        cid = self._chunk_id(data)
+        cid = pieces_id([data], self.vol.seed)
         new = [NewChunk.inline(cid, data)] if length <= INLINE_DATA_MAX else []
         try:
             attr = self.local.commit_file(
@@ -850,7 +747,7 @@ class FileCache:
             )
         except UnknownChunks:
             return None, cid
-        except (sqlite3.Error, MetaError) as e:
+        except MetaError as e:  # MetaBusy (nothing done) or a refusal
             log.debug("inline commit of inode %d: %s; via a worker", ino, e)
             return None, None
         return (cid, attr), None
@@ -1009,8 +906,8 @@ class FileCache:
         do, cache.read_object fast=True): no read into a fresh buffer, no payload checksum
         pass beside the id check. A cold 1 GiB read went from 532-748 to 814-916 MB/s and
         the daemon's CPU from 1.6-1.9 s to 1.2 s."""
-        if cid in self._unsynced:
-            self._sync()
+        if self.vol.sink.is_unsynced(cid):  # the tier serves only acknowledged chunks
+            self.vol.sink.sync()
         return self.vol.fetch_chunk(cid, view=True, small=small)
 
     def _evict(self, limit: int) -> None:

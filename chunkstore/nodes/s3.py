@@ -25,7 +25,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from chunkstore.ids import check_id, from_hex
-from chunkstore.node import NodeError, NodeInfo, ObjectMissing, ObjectNode
+from chunkstore.nodes import NodeError, NodeInfo, ObjectMissing, ObjectNode
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _NO_BUCKET_CODES = {"NoSuchBucket"}

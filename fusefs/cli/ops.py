@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from fusefs.fsck import DEFAULT_GRACE, Report, check_volume, heal_pending
-from fusefs.units import format_size
+from fusefs.cli.units import format_size
+from fusefs.maint.fsck import DEFAULT_GRACE, Report, check_volume, heal_pending
 
 
 def _grace(text: str) -> float:
@@ -61,7 +61,7 @@ def _print_report(rep: Report, verb: str, as_json: bool) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from fusefs.cli import open_volume
+    from fusefs.cli.main import open_volume
 
     with open_volume(args.volume) as vol:
         if args.pending:
@@ -73,8 +73,8 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_scrub(args: argparse.Namespace) -> int:
-    from fusefs.cli import open_volume
-    from fusefs.scrub import scrub
+    from fusefs.cli.main import open_volume
+    from fusefs.maint.scrub import scrub
 
     with open_volume(args.volume) as vol:
         rep = scrub(vol, rate_mbps=args.rate, repair=not args.no_repair)
@@ -82,8 +82,8 @@ def cmd_scrub(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from fusefs.cli import open_volume
-    from fusefs.gc import gc
+    from fusefs.cli.main import open_volume
+    from fusefs.maint.gc import gc
 
     with open_volume(args.volume) as vol:
         rep = gc(vol, grace=args.grace)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from chunkstore.fileio import fsync_dir, write_new
 from chunkstore.ids import check_id, from_hex
-from chunkstore.node import NodeError, NodeInfo, ObjectMissing, ObjectNode
+from chunkstore.nodes import NodeError, NodeInfo, ObjectMissing, ObjectNode
 
 log = logging.getLogger("ckptfs.dirnode")
 

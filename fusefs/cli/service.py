@@ -11,9 +11,10 @@ import sys
 import time
 from functools import partial
 
-from fusefs.units import format_size
-from fusefs.volume import VOLUME_FILE, VolumeError, _open_engine
+from fusefs.cli.units import format_size
+from fusefs.client.volume import VOLUME_FILE, VolumeError
 from metadata.engine import MetaEngine
+from metadata.engines import open_engine
 from metadata.protocol import MAX_FRAME
 
 TOKEN_FILE = "meta.token"
@@ -37,7 +38,7 @@ def open_meta(spec: str, db: str | None = None) -> MetaEngine:
 
         return connect(spec)
     path = os.path.abspath(spec)
-    return _open_engine(db or _volume_desc(path)["meta"], path)
+    return open_engine(db or _volume_desc(path)["meta"], path)
 
 
 def ensure_token(path: str) -> str:
@@ -90,13 +91,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = ensure_token(token_file)
     tls = None
     if args.tls_cert or args.tls_key:
-        from fusefs.cli import UserError
+        from fusefs.cli.main import UserError
         from metadata.tls import server_context
 
         if not args.tls_cert:
             raise UserError("--tls-key needs --tls-cert")
         tls = server_context(args.tls_cert, args.tls_key)  # before opening anything
-    engine = _open_engine(args.db or desc["meta"], path)
+    engine = open_engine(args.db or desc["meta"], path)
     engine.get_config()  # fail now, with one line, if the engine holds no volume
     _raise_fd_limit()
     host, port = args.listen
@@ -198,7 +199,7 @@ def cmd_retain(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from fusefs.cli import size_arg
+    from fusefs.cli.main import size_arg
 
     m = sub.add_parser("meta", help="the metadata service")
     msub = m.add_subparsers(dest="meta_command", required=True, metavar="ACTION")
@@ -240,6 +241,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from fusefs.cli import main
+    from fusefs.cli.main import main
 
     sys.exit(main())

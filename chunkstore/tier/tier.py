@@ -60,7 +60,7 @@ from chunkstore.fileio import (
     write_new,
 )
 from chunkstore.ids import chunk_id
-from chunkstore.node import NodeError
+from chunkstore.nodes import NodeError
 from chunkstore.store import ChunkStore, ChunkStoreError
 
 log = logging.getLogger("ckptfs.writeback")
