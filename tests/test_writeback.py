@@ -18,12 +18,12 @@ import pytest
 
 import chunkstore.cache
 from chunkstore import codec
-from chunkstore.tier.tier import (
+from chunkstore.tier.journal import (
     INLINE_MAX,
     KIND_DONE,
     KIND_PENDING,
     REC_SIZE,
-    SEGMENT_SUFFIXES,
+    SEGMENT_SUFFIX,
     GroupSync,
     pack_inline,
     pack_record,
@@ -63,7 +63,7 @@ def _check_journals(staging: str) -> int:
     pending = 0
     jdir = os.path.join(staging, "journal")
     for name in os.listdir(jdir):
-        if not name.endswith(SEGMENT_SUFFIXES):
+        if not name.endswith(SEGMENT_SUFFIX):
             continue
         st = read_segment(os.path.join(jdir, name))
         for cid, (size, _t) in st.pending.items():
@@ -321,7 +321,7 @@ def test_kill9_mid_upload_then_recovery_uploads_everything(vol_path, tmp_path):
         assert vol.stats()["staged_chunks"] == 0
         assert tier.stats()["lost_chunks"] == 0
     journal = os.listdir(os.path.join(staging, "journal"))
-    assert [n for n in journal if n.endswith(SEGMENT_SUFFIXES)] == []
+    assert [n for n in journal if n.endswith(SEGMENT_SUFFIX)] == []
     with Volume.open(vol_path) as plain:
         for i, d in enumerate(datas):
             assert plain.read_file(f"/f{i}") == d
@@ -796,7 +796,7 @@ def test_small_chunks_journaled_with_their_bytes_survive_lost_staged_files(vol_p
     staging = str(tmp_path / "staging")
     _kill9_once(SMALL_CHILD, "SAVED", vol_path, staging)
     jdir = os.path.join(staging, "journal")
-    (seg,) = [n for n in os.listdir(jdir) if n.endswith(SEGMENT_SUFFIXES)]
+    (seg,) = [n for n in os.listdir(jdir) if n.endswith(SEGMENT_SUFFIX)]
     st = read_segment(os.path.join(jdir, seg))
     assert len(st.inline) == len(st.pending) == 6  # every chunk journaled with its bytes
     staged = os.path.join(staging, "staged")
@@ -852,7 +852,7 @@ def test_compaction_copies_inline_records_from_the_journal(vol_path, tmp_path):
 def test_a_journal_write_cut_short_by_a_full_disk_leaves_no_fragment(tmp_path, monkeypatch):
     """A partial append is cut off again: a fragment would hide every later record from a
     replay and shift the offsets compaction copies I records from."""
-    import chunkstore.tier.tier as wb
+    import chunkstore.tier.journal as wb
 
     seg = wb.Segment(str(tmp_path), "host-1-x.jnl")
     a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from chunkstore.tier.tier import pid_alive
+from chunkstore.tier.status import pid_alive
 from fusefs.cli.units import parse_size
 from fusefs.client.defaults import data_dir, ensure_default_volume
 

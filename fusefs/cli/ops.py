@@ -61,9 +61,9 @@ def _print_report(rep: Report, verb: str, as_json: bool) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from fusefs.cli.main import open_volume
+    from fusefs.client.volume import Volume
 
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         if args.pending:
             done, left = heal_pending(vol)
             print(f"fsck: {done} recorded missing replica(s) restored, {left} still pending")
@@ -73,19 +73,19 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_scrub(args: argparse.Namespace) -> int:
-    from fusefs.cli.main import open_volume
+    from fusefs.client.volume import Volume
     from fusefs.maint.scrub import scrub
 
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         rep = scrub(vol, rate_mbps=args.rate, repair=not args.no_repair)
         return _print_report(rep, "scrub", args.json)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from fusefs.cli.main import open_volume
+    from fusefs.client.volume import Volume
     from fusefs.maint.gc import gc
 
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         rep = gc(vol, grace=args.grace)
     if args.json:
         print(json.dumps(rep.as_dict(), indent=2))

@@ -12,7 +12,8 @@ import json
 import os
 import time
 
-from chunkstore.tier.tier import default_staging_dir, scan_staging
+from chunkstore.tier.status import scan_staging
+from chunkstore.tier.tier import default_staging_dir
 from fusefs.cli.progress import Progress
 from fusefs.cli.units import format_size
 from fusefs.maint.fsck import heal_pending

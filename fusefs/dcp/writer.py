@@ -34,6 +34,7 @@ import os
 import pickle
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,6 +72,7 @@ from fusefs.dcp.registry import (
 from metadata.engine import MetaError
 
 
+@dataclass(frozen=True)
 class _RankPlan:
     """What the coordinator tells each rank: its file prefix.
 
