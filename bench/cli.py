@@ -61,7 +61,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if rep["verdict"]["ok"] else 2
 
 
-
 def register(sub: argparse._SubParsersAction) -> None:
     from fusefs.cli.main import size_arg
 
@@ -137,4 +136,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     b.add_argument("--plot", metavar="DIR", help="write PNG plots (matplotlib)")
     b.set_defaults(func=cmd_bench)
-

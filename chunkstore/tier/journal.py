@@ -43,7 +43,6 @@ COMPACT_BYTES = 8 * 2**20  # rewrite a segment once it holds this many bytes of 
 SEGMENT_SUFFIX = ".jnl"
 
 
-
 def pack_record(kind: int, cid: bytes, size: int = 0, t_ns: int = 0, payload: bytes = b"") -> bytes:
     body = _REC.pack(kind, cid, size, t_ns) + payload
     return body + _CRC.pack(xxhash.xxh32_intdigest(body))
@@ -290,6 +289,7 @@ class Segment:
                 pass
         for fd in [*self._old_fds, self.fd]:
             os.close(fd)
+
 
 def same_bytes(path: str, payload: bytes) -> bool:
     try:

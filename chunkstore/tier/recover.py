@@ -31,6 +31,7 @@ from chunkstore.tier.status import pid_alive
 
 log = logging.getLogger("ckptfs.tier")
 
+
 class Recovery:
     """Adoption of dead processes' journals (mixed into WriteBehindTier)."""
 

@@ -47,6 +47,7 @@ log = logging.getLogger("ckptfs.tier")
 STAGED, DURABLE = 0, 1  # == metadata.engine.STAGED / DURABLE
 DURABILITY = ("local", "remote")
 
+
 def default_staging_dir(volume_uuid: str) -> str:
     """`$XDG_CACHE_HOME/ckptfs/staging/<volume uuid>`: per host, per volume."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

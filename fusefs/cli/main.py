@@ -50,7 +50,6 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-
 def cmd_format(args: argparse.Namespace) -> int:
     settings = VolumeSettings(
         chunk_size=args.chunk_size,

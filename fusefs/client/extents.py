@@ -99,3 +99,23 @@ def maybe_inline(e: Extent) -> bool:
     """Can the chunk this extent names be inline? Only if the extent is small: an inline
     chunk has at most INLINE_DATA_MAX bytes, and an extent covers part of its chunk at most."""
     return e.length <= INLINE_DATA_MAX
+
+
+def whole_chunks(
+    extents: list[Extent], starts: list[int], off: int, n: int
+) -> list[tuple[bytes, int, int]] | None:
+    """(chunk id, offset in the item, length) of the whole chunks that tile [off, off+n)
+    exactly, or None (holes, shared or partial chunks)."""
+    i = bisect.bisect_left(starts, off)
+    out = []
+    pos = off
+    while pos < off + n:
+        if i >= len(extents):
+            return None
+        e = extents[i]
+        if e.offset != pos or e.chunk_off != 0 or e.offset + e.length > off + n:
+            return None
+        out.append((e.chunk_id, pos - off, e.length))
+        pos += e.length
+        i += 1
+    return out

@@ -98,4 +98,3 @@ def seek_position(pos: int, size: int, offset: int, whence: int) -> int:
     """The new position of a seek (SEEK_SET, SEEK_CUR, SEEK_END); never below 0."""
     base = {0: 0, 1: pos, 2: size}[whence]
     return max(0, base + offset)
-

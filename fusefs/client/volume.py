@@ -497,7 +497,6 @@ class Volume:
         return None if info is None else info[3]
 
 
-
 def _open_engine(url: str, base_dir: str) -> MetaEngine:
     try:
         return open_engine(url, base_dir)

@@ -19,6 +19,8 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
+from fusefs.client.reader import seek_position
+
 
 def save_tensor(t: torch.Tensor, sink: Any) -> None:
     """torch.save(t, sink) without the zip CRC32 (the chunks carry their own checksums).
@@ -143,6 +145,7 @@ def no_crc_alignment() -> int | None:
 
 NO_CRC_SAVE = no_crc_alignment()
 
+
 def direct_envelope(req: ReadItem, target: torch.Tensor) -> Envelope | None:
     """The envelope torch.save (CRC off, as save_tensor) writes around a contiguous tensor
     of the target's dtype and shape, when the item is all of the stored tensor and the
@@ -179,6 +182,7 @@ def direct_envelope(req: ReadItem, target: torch.Tensor) -> Envelope | None:
         env = ENVELOPES.get(key)
     return env
 
+
 def load_in_place(view: memoryview) -> torch.Tensor | None:
     """torch.load of a torch.save'd tensor whose storage *is* `view` (no copy): the item's
     one copy is then `target.copy_` straight from the mapped cache file, where torch.load
@@ -212,8 +216,7 @@ class ViewReader(io.RawIOBase):
         return True
 
     def seek(self, off: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: len(self.mv)}[whence]
-        self.pos = max(0, base + off)
+        self.pos = seek_position(self.pos, len(self.mv), off, whence)
         return self.pos
 
     def tell(self) -> int:

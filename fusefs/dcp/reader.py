@@ -7,7 +7,6 @@ its target (no torch.load); the range arithmetic is fusefs.client.extents."""
 
 from __future__ import annotations
 
-import bisect
 import errno
 import functools
 import io
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from fusefs.client import extents as ext
 from fusefs.client.extents import maybe_inline
 from fusefs.client.volume import Volume
 from fusefs.dcp.envelope import (
@@ -56,6 +56,7 @@ from fusefs.dcp.registry import (
 from metadata.engine import Extent, MetaError
 
 READ_WINDOW = 256 * 2**20  # raw chunk bytes fetched ahead of the item being decoded
+
 
 class CkptfsReader(StorageReader):
     """StorageReader from a ckptfs volume: parallel chunk fetches ordered by file offset."""
@@ -193,7 +194,7 @@ class CkptfsReader(StorageReader):
         scratch buffer and copies it out in commit_tensor) takes the ordinary path too:
         one item at a time, in offset order, resolved again right before its copy, as
         FileSystemReader does."""
-        starts = [e.offset for e in extents]
+        starts = ext.starts_of(extents)
         plans: list[tuple[ReadItem, torch.Tensor, Envelope | None, list | None]] = []
         for req in reqs:
             md: _StorageInfo = self.storage_data[req.storage_index]
@@ -203,9 +204,9 @@ class CkptfsReader(StorageReader):
             env = direct_envelope(req, target)
             pieces = None
             if env is not None and md.length == len(env.head) + target.nbytes + len(env.tail):
-                pieces = _whole_chunks(extents, starts, md.offset, md.length)
+                pieces = ext.whole_chunks(extents, starts, md.offset, md.length)
             plans.append((req, target, env, pieces))
-        shared = _overlapping([_span(t) for _, t, _, _ in plans])
+        shared = _shared_memory([_span(t) for _, t, _, _ in plans])
         jobs: list[tuple[ReadItem, torch.Tensor, Envelope, bytearray, bytearray, CFuture]] = []
         done: set[int] = set()
         try:
@@ -258,6 +259,7 @@ class CkptfsReader(StorageReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
 
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The memory [lo, hi) a tensor's elements lie in (empty for no elements)."""
     if not t.numel():
@@ -266,7 +268,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
 
 
-def _overlapping(spans: list[tuple[int, int]]) -> set[int]:
+def _shared_memory(spans: list[tuple[int, int]]) -> set[int]:
     """Indexes of the spans that overlap another one (a sweep in address order)."""
     out: set[int] = set()
     top, top_i = -1, -1
@@ -278,26 +280,6 @@ def _overlapping(spans: list[tuple[int, int]]) -> set[int]:
             out.update((i, top_i))
         if hi > top:
             top, top_i = hi, i
-    return out
-
-
-def _whole_chunks(
-    extents: list[Extent], starts: list[int], off: int, n: int
-) -> list[tuple[bytes, int, int]] | None:
-    """(chunk id, offset in the item, length) of the whole chunks that tile [off, off+n)
-    exactly, or None (holes, shared or partial chunks)."""
-    i = bisect.bisect_left(starts, off)
-    out = []
-    pos = off
-    while pos < off + n:
-        if i >= len(extents):
-            return None
-        e = extents[i]
-        if e.offset != pos or e.chunk_off != 0 or e.offset + e.length > off + n:
-            return None
-        out.append((e.chunk_id, pos - off, e.length))
-        pos += e.length
-        i += 1
     return out
 
 
@@ -316,6 +298,7 @@ def _slices(layout: list[memoryview], lo: int, n: int) -> list[memoryview]:
 def _read_chunks(vol: Volume, reads: list[tuple[bytes, list[memoryview]]]) -> bool:
     return all(vol.read_chunk_into(cid, views) for cid, views in reads)
 
+
 def _assemble(
     vol: Volume, extents: list[Extent], ranges: list[tuple[int, int]], window: int
 ) -> Iterator[bytes | memoryview]:
@@ -325,19 +308,8 @@ def _assemble(
     Volume.fetch_chunk (the host read cache with single-flight when a tier is
     attached), at most `window` raw bytes ahead of the range being assembled.
     """
-    starts = [e.offset for e in extents]
-    pieces: list[list[tuple[Extent, int, int]]] = []  # per range: (extent, lo, hi) file offsets
-    for off, n in ranges:
-        end = off + n
-        i = max(0, bisect.bisect_right(starts, off) - 1)
-        mine = []
-        while i < len(extents) and extents[i].offset < end:
-            e = extents[i]
-            lo, hi = max(off, e.offset), min(end, e.offset + e.length)
-            if hi > lo:
-                mine.append((e, lo, hi))
-            i += 1
-        pieces.append(mine)
+    starts = ext.starts_of(extents)
+    pieces = [ext.pieces(extents, starts, off, off + n) for off, n in ranges]
     order = [e.chunk_id for mine in pieces for e, _, _ in mine]
     fetch = functools.partial(vol.fetch_chunk, view=True)
     uses = Counter(order)
@@ -369,17 +341,14 @@ def _assemble(
             if len(mine) == 1 and mine[0][1] == off and mine[0][2] == off + n:
                 e, lo, hi = mine[0]
                 raw = futs[e.chunk_id].result()
-                a, b = e.chunk_off + lo - e.offset, e.chunk_off + hi - e.offset
                 # the whole chunk (an item is one chunk, usually): the bytes object itself
-                whole = a == 0 and b == len(raw) and isinstance(raw, bytes)
-                out: bytes | memoryview = raw if whole else memoryview(raw)[a:b]
+                at = e.chunk_off + lo - e.offset
+                whole = at == 0 and n == len(raw) and isinstance(raw, bytes)
+                out: bytes | memoryview = raw if whole else ext.view(e, raw, lo, hi)
             else:
                 buf = bytearray(n)  # holes (no extent) read as zeros
                 for e, lo, hi in mine:
-                    raw = futs[e.chunk_id].result()
-                    buf[lo - off : hi - off] = memoryview(raw)[
-                        e.chunk_off + lo - e.offset : e.chunk_off + hi - e.offset
-                    ]
+                    ext.fill(buf, off, e, futs[e.chunk_id].result(), lo, hi)
                 out = buf
             for e, _, _ in mine:
                 uses[e.chunk_id] -= 1

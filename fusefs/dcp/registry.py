@@ -172,6 +172,7 @@ def parse_ckpt_path(path: str, job: str | None = None, step: int | None = None) 
         raise ValueError(f"step must be a non-negative integer, not {step!r}")
     return job, step
 
+
 def latest_step(volume: str | os.PathLike, job: str, *, durable: bool = False) -> int | None:
     """The newest published step of `job` (with durable=True: whose chunks are all on nodes)."""
     meta = volume_for(volume_spec(volume)).meta

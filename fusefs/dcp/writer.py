@@ -408,6 +408,7 @@ class _ChunkFile:
 
 _KEEP_MIN = 64 * 1024  # smaller writes are copied (cheap, and may be torch's own buffers)
 
+
 def _write_file(
     vol: Volume,
     name: str,

@@ -45,7 +45,8 @@ import trio
 from chunkstore.store import ChunkStoreError
 from fusefs.client.extents import clip
 from fusefs.client.volume import Volume
-from fusefs.mount.filecache import FileCache, FileError, FileState
+from fusefs.mount.blocks import FileError, FileState
+from fusefs.mount.filecache import FileCache
 from metadata.engine import NAME_MAX, STAGED, Attr, MetaBusy, MetaError
 
 log = logging.getLogger("ckptfs.mount")
