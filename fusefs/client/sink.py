@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from chunkstore import codec
@@ -60,9 +61,10 @@ class ChunkSink:
 
     def __init__(self, vol: Volume) -> None:
         self.vol = vol
-        self._lock = threading.Lock()
-        self._unsynced: dict[bytes, int] = {}  # stored unsynced: chunk id -> stored bytes
-        self._unsynced_bytes = 0
+        self._cond = threading.Condition()
+        self._unsynced: dict[bytes, int] = {}  # stored unsynced: chunk id -> bytes admitted
+        self._unsynced_bytes = 0  # their sum
+        self._reserved = 0  # bytes admitted for puts still running
 
     # -- ids and existence ---------------------------------------------------------------
     def ids(self, chunks: Sequence[Buffer | Pieces]) -> list[bytes]:
@@ -107,8 +109,8 @@ class ChunkSink:
         vol, tier = self.vol, self.vol.tier
         if tier is not None and tier.durability == "local":
             parts = codec.raw_parts(list(pieces))  # not joined: fileio.write_new copies once
-            state = tier.put(cid, parts, sync=False, width=width)
-            self._unsynced_add(cid, n + codec.HEADER)
+            with self._unsynced_put(cid, n):
+                state = tier.put(cid, parts, sync=False, width=width)
             return NewChunk(cid, n, n + codec.HEADER, state)
         blob = codec.encode(
             _joined(pieces), codec_name or vol.settings.compression, elem_width=width
@@ -116,8 +118,8 @@ class ChunkSink:
         if tier is not None:  # durability=remote: on R nodes when put returns
             state = tier.put(cid, blob, sync=False, width=width)
         else:
-            vol.store.put_encoded(cid, blob, sync=False)
-            self._unsynced_add(cid, len(blob))
+            with self._unsynced_put(cid, n):
+                vol.store.put_encoded(cid, blob, sync=False)
             state = DURABLE
         return NewChunk(cid, n, len(blob), state)
 
@@ -138,14 +140,37 @@ class ChunkSink:
         budget = getattr(self.vol.tier, "budget", None)
         return min(UNSYNCED_MAX, budget // 4) if budget else UNSYNCED_MAX
 
-    def _unsynced_add(self, cid: bytes, stored: int) -> None:
-        with self._lock:
-            if cid not in self._unsynced:
-                self._unsynced[cid] = stored
-                self._unsynced_bytes += stored
-            full = self._unsynced_bytes > self.unsynced_cap
-        if full:
+    @contextmanager
+    def _unsynced_put(self, cid: bytes, n: int) -> Iterator[None]:
+        """Admit an unsynced put of n bytes under the cap, then count it as unacknowledged.
+
+        Admission waits while the bytes held (admitted puts still running plus stored,
+        unacknowledged ones) would pass the cap, acknowledging what is stored meanwhile; a
+        chunk bigger than the cap alone always goes. Counting before the put, not after,
+        keeps the bound strict with many workers storing at once."""
+        while True:
+            with self._cond:
+                held = self._reserved + self._unsynced_bytes
+                if not held or held + n <= self.unsynced_cap:
+                    self._reserved += n
+                    break
+                if not self._unsynced_bytes:  # only puts in flight: wait for one to land
+                    self._cond.wait(timeout=1.0)
+                    continue
             self.sync()
+        try:
+            yield
+        except BaseException:
+            with self._cond:
+                self._reserved -= n
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._reserved -= n
+            if cid not in self._unsynced:
+                self._unsynced[cid] = n
+                self._unsynced_bytes += n
+            self._cond.notify_all()
 
     def is_unsynced(self, cid: bytes) -> bool:
         return cid in self._unsynced
@@ -153,7 +178,7 @@ class ChunkSink:
     def sync(self) -> None:
         """Acknowledge every chunk stored unsynced so far (one batch of fsyncs). Chunks
         stored while this runs stay in the set for the next call."""
-        with self._lock:
+        with self._cond:
             ids = list(self._unsynced)
         if not ids:
             return
@@ -161,15 +186,17 @@ class ChunkSink:
             self.vol.tier.sync_staged()
         else:
             self.vol.store.sync()
-        with self._lock:
+        with self._cond:
             for cid in ids:
                 self._unsynced_bytes -= self._unsynced.pop(cid, 0)
+            self._cond.notify_all()
 
     def discard_unsynced(self) -> None:
         """Forget chunks stored unsynced by a save that failed (the tier drops its files)."""
-        with self._lock:
+        with self._cond:
             self._unsynced.clear()
             self._unsynced_bytes = 0
+            self._cond.notify_all()
         if self.vol.tier is not None:
             self.vol.tier.discard_unsynced()
 
