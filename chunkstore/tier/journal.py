@@ -17,7 +17,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import xxhash
@@ -314,3 +314,21 @@ def place_inline(tmp: str, dst: str, payload: bytes) -> bool:
     fdatasync_path(tmp)
     os.rename(tmp, dst)
     return True
+
+
+def open_segments(journal_dir: str, skip: str | None = None) -> Iterator[tuple[str, str, int]]:
+    """(name, path, read-only fd) of each journal segment in the directory but `skip`, in
+    name order; each fd is closed when the caller moves on. Segments that vanish meanwhile
+    (adopted or compacted by another process) are passed over."""
+    for name in sorted(os.listdir(journal_dir)):
+        if not name.endswith(SEGMENT_SUFFIX) or name == skip:
+            continue
+        path = os.path.join(journal_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            yield name, path, fd
+        finally:
+            os.close(fd)

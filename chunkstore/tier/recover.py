@@ -23,6 +23,7 @@ from chunkstore.tier.journal import (
     KIND_UPLOADED,
     SEGMENT_SUFFIX,
     SegmentState,
+    open_segments,
     parse_segment,
     place_inline,
     same_bytes,
@@ -54,29 +55,19 @@ class Recovery:
     def adopt_orphans(self) -> int:
         """Take over the segments of dead processes; returns the chunks adopted."""
         adopted = 0
-        for name in sorted(os.listdir(self.journal_dir)):
-            if not name.endswith(SEGMENT_SUFFIX) or name == self.seg.name:
-                continue
-            path = os.path.join(self.journal_dir, name)
+        for name, path, fd in open_segments(self.journal_dir, skip=self.seg.name):
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its owner is alive
+            try:
+                if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                    continue  # adopted or rewritten meanwhile
             except FileNotFoundError:
                 continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue  # its owner is alive
-                try:
-                    if os.stat(path).st_ino != os.fstat(fd).st_ino:
-                        continue  # adopted or rewritten meanwhile
-                except FileNotFoundError:
-                    continue
-                with open(fd, "rb", closefd=False) as f:
-                    state = parse_segment(f.read())
-                adopted += self._adopt(name, path, state)
-            finally:
-                os.close(fd)
+            with open(fd, "rb", closefd=False) as f:
+                state = parse_segment(f.read())
+            adopted += self._adopt(name, path, state)
         return adopted
 
     def _restore_inline(self, cid: bytes, payload: bytes) -> bool:

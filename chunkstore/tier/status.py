@@ -11,7 +11,7 @@ import time
 
 from chunkstore.fileio import dir_bytes
 from chunkstore.tier.journal import (
-    SEGMENT_SUFFIX,
+    open_segments,
     parse_segment,
 )
 
@@ -40,25 +40,15 @@ def scan_staging(root: str) -> dict:
     oldest = None
     rate = 0.0
     if os.path.isdir(journal):
-        for name in sorted(os.listdir(journal)):
-            if not name.endswith(SEGMENT_SUFFIX):
-                continue
-            path = os.path.join(journal, name)
+        for name, _, fd in open_segments(journal):
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    live = False
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                except BlockingIOError:
-                    live = True
-                with open(fd, "rb", closefd=False) as f:
-                    st = parse_segment(f.read())
-            finally:
-                os.close(fd)
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                live = False
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except BlockingIOError:
+                live = True
+            with open(fd, "rb", closefd=False) as f:
+                st = parse_segment(f.read())
             info: dict = {}
             try:
                 with open(os.path.join(root, "status", name[:-4] + ".json")) as f:

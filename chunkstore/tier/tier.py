@@ -408,12 +408,7 @@ class WriteBehindTier(Recovery):
             while True:
                 if self._used + n <= self.budget:
                     break
-                need = self._used + n - self.budget
-                self._cond.release()
-                try:
-                    freed = self.cache.evict(need)
-                finally:
-                    self._cond.acquire()
+                freed = self._evict_unlocked(self._used + n - self.budget)
                 if freed:
                     self._evicted(freed)
                 if self._used + n <= self.budget:
@@ -441,6 +436,15 @@ class WriteBehindTier(Recovery):
         self._last_freed = time.monotonic()
         self._cond.notify_all()
 
+    def _evict_unlocked(self, need: int) -> int:
+        """Evict `need` bytes of the read cache without holding `_cond` (the scan and the
+        unlinks are slow; puts and reads go on meanwhile); called with it held. Bytes freed."""
+        self._cond.release()
+        try:
+            return self.cache.evict(need)
+        finally:
+            self._cond.acquire()
+
     def _evicted(self, n: int) -> None:
         """`n` bytes of the read cache were evicted (under _cond)."""
         self._cached = max(0, self._cached - n)
@@ -451,13 +455,7 @@ class WriteBehindTier(Recovery):
         n = len(blob)
         with self._cond:
             if self._used + n > self.budget:
-                need = self._used + n - self.budget
-                self._cond.release()
-                try:
-                    freed = self.cache.evict(need)
-                finally:
-                    self._cond.acquire()
-                self._evicted(freed)
+                self._evicted(self._evict_unlocked(self._used + n - self.budget))
                 if self._used + n > self.budget:
                     return
             self._used += n

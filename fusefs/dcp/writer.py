@@ -33,7 +33,9 @@ import io
 import os
 import pickle
 import socket
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,18 +212,13 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rp: _RankPlan = plan.storage_data
         try:
-            results, files = self._write_files(rp, plan.items, planner)
-            volume_for(self.volume, self.tier).sink.sync()  # one batch of fsyncs, before the commit
-            if self.is_coordinator:
-                self._pending = files  # committed with .metadata in finish()
-            else:
-                self._commit(files)
-        except MetaError as e:  # MetaError does not unpickle: DCP gathers errors across ranks
-            self._abort(f"rank {self.rank} failed in write_data: {e}")
-            raise CkptfsError(f"rank {self.rank}: {e} (errno {e.errno})") from None
-        except BaseException as e:
-            self._abort(f"rank {self.rank} failed in write_data: {e!r}")
-            raise
+            with self._aborting(f"rank {self.rank}", "write_data"):
+                results, files = self._write_files(rp, plan.items, planner)
+                volume_for(self.volume, self.tier).sink.sync()  # one batch of fsyncs
+                if self.is_coordinator:
+                    self._pending = files  # committed with .metadata in finish()
+                else:
+                    self._commit(files)
         finally:
             self._discard_unsynced()
         fut: Future[list[WriteResult]] = Future()
@@ -266,6 +263,19 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
         except Exception:  # noqa: S110 - the original error is the one to report
             pass
 
+    @contextmanager
+    def _aborting(self, who: str, where: str) -> Iterator[None]:
+        """Any failure aborts the step, so `latest` stays at the previous one. MetaError is
+        re-raised as CkptfsError: it does not unpickle, and DCP gathers errors across ranks."""
+        try:
+            yield
+        except MetaError as e:
+            self._abort(f"{who} failed in {where}: {e}")
+            raise CkptfsError(f"{who}: {e} (errno {e.errno})") from None
+        except BaseException as e:
+            self._abort(f"{who} failed in {where}: {e!r}")
+            raise
+
     def _abort(self, reason: str) -> None:
         try:
             volume_for(self.volume, self.tier).meta.abort(self.job, self.step, reason[:500])
@@ -275,35 +285,32 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write `.metadata`, commit rank 0 last, which publishes the step."""
         try:
-            metadata.version = CURRENT_DCP_VERSION
-            storage_md = {}
-            for wr_list in results:
-                storage_md.update({wr.index: wr.storage_data for wr in wr_list})
-            metadata.storage_data = storage_md
-            metadata.storage_meta = self.storage_meta()
-            vol = volume_for(self.volume, self.tier)
-            w = FileWriter(vol, 0, inline=False)
-            try:
-                w.write(pickle.dumps(metadata))
-                w.close(commit=False)
-            except BaseException:
-                w.abort()
-                raise
-            files = [*self._pending, w.stream.record(METADATA_FILE)]
-            info = self._commit(files)
-            if info["state"] == "open":
-                info = vol.meta.wait_published(self.job, self.step, timeout=self.publish_timeout)
-            if info["state"] != "published":
-                raise CkptfsError(
-                    f"{info['job']} step {info['step']} was not published: "
-                    f"{info['state']} {info.get('reason', '')}"
-                )
-        except MetaError as e:
-            self._abort(f"coordinator failed in finish: {e}")
-            raise CkptfsError(f"coordinator: {e} (errno {e.errno})") from None
-        except BaseException as e:
-            self._abort(f"coordinator failed in finish: {e!r}")
-            raise
+            with self._aborting("coordinator", "finish"):
+                metadata.version = CURRENT_DCP_VERSION
+                storage_md = {}
+                for wr_list in results:
+                    storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+                metadata.storage_data = storage_md
+                metadata.storage_meta = self.storage_meta()
+                vol = volume_for(self.volume, self.tier)
+                w = FileWriter(vol, 0, inline=False)
+                try:
+                    w.write(pickle.dumps(metadata))
+                    w.close(commit=False)
+                except BaseException:
+                    w.abort()
+                    raise
+                files = [*self._pending, w.stream.record(METADATA_FILE)]
+                info = self._commit(files)
+                if info["state"] == "open":
+                    info = vol.meta.wait_published(
+                        self.job, self.step, timeout=self.publish_timeout
+                    )
+                if info["state"] != "published":
+                    raise CkptfsError(
+                        f"{info['job']} step {info['step']} was not published: "
+                        f"{info['state']} {info.get('reason', '')}"
+                    )
         finally:
             self._pending = []
 
