@@ -120,13 +120,14 @@ class GroupSync:
         self._requested = 0
         self._synced = 0
         self._running = False
+        self._retired = False
         self.fsyncs = 0
 
     def sync(self) -> None:
         with self._cond:
             self._requested += 1
             mine = self._requested
-            while self._synced < mine:
+            while self._synced < mine and not self._retired:
                 if self._running:
                     self._cond.wait()
                     continue
@@ -144,6 +145,17 @@ class GroupSync:
                     self._synced = max(self._synced, target)
                     self.fsyncs += 1
 
+    def retire(self, close: Callable[[], None]) -> None:
+        """From now on every sync returns at once, and `close` runs as soon as no fsync is
+        running. For a replaced file whose records are durable elsewhere (a compacted
+        segment holds every live record of the old one, fsync'd before the swap)."""
+        with self._cond:
+            self._retired = True
+            while self._running:
+                self._cond.wait()
+            close()
+            self._cond.notify_all()
+
 
 class Segment:
     """This process's journal segment: flock'd for its lifetime, appended with group fsync.
@@ -160,7 +172,6 @@ class Segment:
         fsync_dir(journal_dir)
         self._lock = threading.Lock()
         self._sync = GroupSync(lambda: os.fsync(self.fd))
-        self._old_fds: list[int] = []
         self.live: dict[bytes, tuple[int, int, int]] = {}  # cid -> (kind, size, time_ns)
         self._inline_at: dict[bytes, tuple[int, int]] = {}  # live I record: (offset, length)
         self.live_bytes = 0  # what a compaction would write
@@ -242,10 +253,10 @@ class Segment:
 
     def compact(self) -> None:
         """Replace the segment by its live records, atomically and keeping ownership: the new
-        file is locked before it is renamed over the old one. Old fds stay open until close so
-        a writer still waiting on the old file's fsync is unaffected (its record is in the new
-        file, which is fsync'd here). A live I record is copied from this file as it is, and
-        checked: its bytes are the only durable copy of its chunk."""
+        file is locked before it is renamed over the old one. A writer still waiting on the
+        old file's fsync is released (its record is in the new file, fsync'd here). A live
+        I record is copied from this file as it is, and checked: its bytes are the only
+        durable copy of its chunk."""
         with self._lock:
             recs: list[bytes] = []
             inline_at: dict[bytes, tuple[int, int]] = {}
@@ -275,10 +286,14 @@ class Segment:
                 raise
             # Renamed: the new file is the segment now, whatever happens next (closing it
             # would free its lock for another tier to adopt while we went on appending).
-            self._old_fds.append(self.fd)
+            # The old file is closed once no fsync of it runs: writers still waiting on it
+            # have their records in the new file, fsync'd above. Kept open, every old fd
+            # pinned its unlinked file's blocks, which the staging budget never saw.
+            old_fd, old_sync = self.fd, self._sync
             self.fd, self.size = fd, len(data)
             self._inline_at, self.live_bytes = inline_at, len(data)
             self._sync = GroupSync(lambda: os.fsync(fd))
+            old_sync.retire(lambda: os.close(old_fd))
             fsync_dir(self.dir)
 
     def close(self, *, remove: bool) -> None:
@@ -287,8 +302,7 @@ class Segment:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-        for fd in [*self._old_fds, self.fd]:
-            os.close(fd)
+        os.close(self.fd)
 
 
 def same_bytes(path: str, payload: bytes) -> bool:
