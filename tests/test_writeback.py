@@ -908,26 +908,6 @@ def test_an_inline_chunk_replaces_garbage_under_its_name_durably(vol_path, tmp_p
         vol.close()
 
 
-def test_a_segment_of_the_previous_format_is_adopted(vol_path, tmp_path):
-    """Segments named .log (no I records) from before are still adopted."""
-    staging = str(tmp_path / "staging")
-    vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
-    cid, raw = _raw_chunk(vol, 200_000, 3)
-    vol.close()
-    blob = codec.encode(raw, "none")
-    with open(os.path.join(staging, "staged", cid.hex()), "wb") as f:
-        f.write(blob)
-    with open(os.path.join(staging, "journal", "oldhost-1-abc.log"), "wb") as f:
-        f.write(pack_record(KIND_PENDING, cid, len(blob), time.time_ns()))
-    vol = _open(vol_path, staging, size=64 * MiB)
-    try:
-        assert vol.tier.stats()["pending_chunks"] == 1
-        vol.tier.flush(timeout=60)
-        assert vol.store.get(cid) == raw
-    finally:
-        vol.close()
-
-
 def test_transcode_at_upload_and_raw_reads_verified(vol_path, tmp_path):
     """A chunk staged raw is compressed on its way to the nodes; a corrupt raw cached copy
     is never returned (the id check covers the payload), it is refetched."""
