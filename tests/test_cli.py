@@ -135,3 +135,21 @@ def test_user_errors_are_one_line(tmp_path, args, words):
     assert ckptfs("stats", str(vol), "--json").stdout == before
     assert not (tmp_path / "v2").exists()
     assert not (tmp_path / "out").exists()
+
+
+def test_get_never_writes_through_a_planted_partial_file(tmp_path):
+    """A symlink at DEST.ckptfs-partial (the old fixed temp name) must not redirect the
+    download: the victim stays as it was, the destination gets the bytes."""
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(3 * MiB))
+    ckptfs("put", str(vol), str(src), "/f")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    dest = tmp_path / "dest"
+    os.symlink(victim, str(dest) + ".ckptfs-partial")
+    ckptfs("get", str(vol), "/f", str(dest))
+    assert victim.read_bytes() == b"precious"
+    assert filecmp.cmp(src, dest, shallow=False)
+    assert [p.name for p in tmp_path.iterdir() if ".ckptfs-partial." in p.name] == []

@@ -322,7 +322,7 @@ class WriteBehindTier(Recovery):
     def foreground(self) -> None:
         """Note a foreground write, here and host-wide (the activity file's mtime), so every
         uploader on the host holds off while any process on it is saving. Writers call it
-        for content they find already stored too (`Volume.missing_chunks`): a step-2 save
+        for content they find already stored too (`ChunkSink.missing`): a step-2 save
         is mostly such content, and with only its few new chunks counted the uploaders saw
         half-second lulls and compressed and uploaded in the middle of it, taking the GIL
         from the serving thread for each chunk's copies."""

@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import secrets
 import stat
 import sys
 from importlib.metadata import entry_points
@@ -92,9 +93,12 @@ def cmd_put(args: argparse.Namespace) -> int:
 def cmd_get(args: argparse.Namespace) -> int:
     with Volume.open(args.volume) as vol:
         with vol.open_read(args.vol_path) as r:
-            tmp = args.local_file + ".ckptfs-partial"
+            # Created exclusively, under a name nobody can guess, never through a link: a
+            # fixed name let a symlink planted at DEST.ckptfs-partial redirect the write.
+            tmp = f"{args.local_file}.ckptfs-partial.{secrets.token_hex(6)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
             try:
-                with open(tmp, "wb") as out, Progress(r.size, f"get {args.vol_path}") as bar:
+                with open(fd, "wb") as out, Progress(r.size, f"get {args.vol_path}") as bar:
                     step = vol.settings.chunk_size
                     for off in range(0, r.size, step):
                         data = r.pread(off, step)

@@ -15,10 +15,11 @@ sealed early when it is exceeded) plus `inflight_max` bytes being stored
 (writers wait above it). Flush/fsync/close seal what is left and commit the
 file's full extent list in one metadata call.
 
-Existence checks are grouped: while one "which of these chunks exist?" query runs, the
-ids of blocks sealed meanwhile queue up for the next one, so concurrent writers cost one
-metadata transaction per batch, not one per block. A file that is one small block (the
-small-file case) is hashed, stored and committed in a single worker call at close.
+Each sealed block costs one worker call: its id, one "is it known?" query (skipped for a
+block small enough to go inline) and the store (ChunkSink.hash_and_store). Grouping the
+queries of concurrent blocks on the loop cost more thread round trips than it saved. A
+file that is one small block (the small-file case) is hashed, stored and committed in a
+single worker call at close.
 
 Sealed blocks go through the volume's one chunk sink (fusefs.client.sink), which stores
 them unsynced and acknowledges them in one batch right before the commit that names them
