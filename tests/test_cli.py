@@ -153,3 +153,27 @@ def test_get_never_writes_through_a_planted_partial_file(tmp_path):
     assert victim.read_bytes() == b"precious"
     assert filecmp.cmp(src, dest, shallow=False)
     assert [p.name for p in tmp_path.iterdir() if ".ckptfs-partial." in p.name] == []
+
+
+def test_names_with_terminal_escapes_are_shown_escaped(tmp_path):
+    """File, job and host names reach human output escaped; JSON output keeps them exact."""
+    from fusefs.client.volume import Volume
+
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    evil = "x\x1b]0;owned\x07\x1b[2J"
+    with Volume.open(str(vol)) as v:
+        v.write_file("/" + evil, b"abc")
+        v.write_file("/raw\xff".encode("latin-1").decode("utf-8", "surrogateescape"), b"d")
+        v.meta.begin(evil, 1, 1)
+        v.meta.commit_rank(evil, 1, 0, [], host="h\x1b[31m")
+    for out in (
+        ckptfs("ls", str(vol)).stdout,
+        ckptfs("checkpoints", str(vol), "list").stdout,
+        ckptfs("checkpoints", str(vol), "show", evil, "1").stdout,
+    ):
+        assert "\x1b" not in out and "\x07" not in out
+        assert "\\x1b" in out
+    assert "raw\\xff" in ckptfs("ls", str(vol)).stdout
+    rows = json.loads(ckptfs("checkpoints", str(vol), "list", "--json").stdout)
+    assert rows[0]["job"] == evil  # exact in JSON

@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from chunkstore.codec import CODECS
 from chunkstore.store import ChunkStoreError
 from fusefs.cli.progress import Progress
+from fusefs.cli.text import shown
 from fusefs.cli.units import format_size, parse_size
 from fusefs.client.volume import Volume, VolumeError, VolumeSettings
 from metadata.engine import MetaError
@@ -131,7 +132,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         attr = vol.resolve(args.vol_path)
         entries = vol.listdir(args.vol_path) if attr.is_dir else [(b"", attr)]
         for name, a in entries:
-            label = os.fsdecode(name) or args.vol_path
+            label = shown(name) or shown(args.vol_path)
             if a.is_dir:
                 label += "/"
             print(f"{_mode_str(a.mode)} {a.size:>14} {label}")
@@ -236,13 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (UserError, VolumeError, ValueError) as e:
-        print(f"ckptfs: error: {e}", file=sys.stderr)
+        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
     except MetaError as e:
-        print(f"ckptfs: error: {e} ({errno.errorcode.get(e.errno, e.errno)})", file=sys.stderr)
+        print(
+            f"ckptfs: error: {shown(str(e))} ({errno.errorcode.get(e.errno, e.errno)})",
+            file=sys.stderr,
+        )
     except ChunkStoreError as e:
-        print(f"ckptfs: error: {e}", file=sys.stderr)
+        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
     except OSError as e:
-        print(f"ckptfs: error: {e}", file=sys.stderr)
+        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
     except KeyboardInterrupt:
         print("ckptfs: interrupted", file=sys.stderr)
         return 130

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from fusefs.cli.text import shown
 from fusefs.cli.units import format_size
 from fusefs.maint.fsck import DEFAULT_GRACE, Report, check_volume, heal_pending
 
@@ -38,10 +39,10 @@ def _print_report(rep: Report, verb: str, as_json: bool) -> int:
             state = (
                 "repaired" if p.repaired else ("NOT repaired: " + p.why_not if p.why_not else "")
             )
-            line = f"{p.kind}: {p.detail}" + (f" [{state}]" if state else "")
+            line = f"{p.kind}: {shown(p.detail)}" + (f" [{shown(state)}]" if state else "")
             print(line)
             for f in p.files or ():
-                print(f"    used by {f}")
+                print(f"    used by {shown(f)}")
         left = len(rep.remaining)
         fixed = len(rep.problems) - left
         print(
