@@ -177,3 +177,27 @@ def test_names_with_terminal_escapes_are_shown_escaped(tmp_path):
     assert "raw\\xff" in ckptfs("ls", str(vol)).stdout
     rows = json.loads(ckptfs("checkpoints", str(vol), "list", "--json").stdout)
     assert rows[0]["job"] == evil  # exact in JSON
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_format_that_cannot_reach_a_node_leaves_nothing(tmp_path, existing):
+    """An unreachable S3 node: one line, exit non-zero, and no half-made volume (it left
+    meta.db without volume.json, and a traceback)."""
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    vol = tmp_path / "vol"
+    if existing:
+        vol.mkdir()
+        (vol / "keep.txt").write_text("mine")
+    url = f"s3://bkt?endpoint=http://127.0.0.1:{port}&connect_timeout=0.5&retries=1"
+    proc = ckptfs("format", str(vol), "--node", "dir:n0", "--node", url, "--replicas", "1",
+                  check=False)  # fmt: skip
+    _assert_clean_error(proc, "cannot format")
+    if existing:
+        assert sorted(p.name for p in vol.iterdir()) == ["keep.txt"]
+    else:
+        assert not vol.exists()
+    ckptfs("format", str(vol))  # the path is usable afterwards

@@ -18,6 +18,7 @@ import sys
 from importlib.metadata import entry_points
 
 from chunkstore.codec import CODECS
+from chunkstore.nodes import NodeError
 from chunkstore.store import ChunkStoreError
 from fusefs.cli.progress import Progress
 from fusefs.cli.text import shown
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             f"ckptfs: error: {shown(str(e))} ({errno.errorcode.get(e.errno, e.errno)})",
             file=sys.stderr,
         )
-    except ChunkStoreError as e:
+    except (ChunkStoreError, NodeError) as e:
         print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
     except OSError as e:
         print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import stat
 import time
 import uuid
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from chunkstore import codec
 from chunkstore.chunker import MAX_CHUNK, MIN_CHUNK, make_chunker
 from chunkstore.ids import chunk_id
-from chunkstore.nodes import NodeInfo, ObjectNode, open_node, parse_node_url
+from chunkstore.nodes import NodeError, NodeInfo, ObjectNode, open_node, parse_node_url
 from chunkstore.store import ChunkStore, ChunkUnavailable
 from fusefs.client.reader import FileReader
 from fusefs.client.sink import ChunkSink
@@ -176,22 +177,39 @@ class Volume:
             "cdc_max": settings.cdc_max,
             "nodes": [{"name": i.name, "url": i.url, "domain": i.domain} for i in infos],
         }
-        os.makedirs(path, exist_ok=True)
         meta_url = db or "sqlite:meta.db"
-        meta = _open_engine(meta_url, path)
-        meta.init_volume(config)
-        nodes_objs = [open_node(i, path) for i in infos]
-        for n in nodes_objs:
-            ensure = getattr(n, "ensure", None)
-            if ensure:
-                ensure()
-        tmp = os.path.join(path, VOLUME_FILE + ".tmp")
-        # not for others (0660 less the umask): a PostgreSQL URL may carry its password
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
-            json.dump({"format": FORMAT_VERSION, "meta": meta_url}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(path, VOLUME_FILE))
+        fresh = not os.path.exists(path)
+        before = set() if fresh else set(os.listdir(path))
+        meta: MetaEngine | None = None
+        nodes_objs: list[ObjectNode] = []
+        try:
+            os.makedirs(path, exist_ok=True)
+            # Nodes first: an unreachable node must fail the format before any metadata
+            # exists (it used to leave meta.db without volume.json, and a traceback).
+            for info in infos:
+                node = open_node(info, path)
+                nodes_objs.append(node)
+                ensure = getattr(node, "ensure", None)
+                if ensure:
+                    ensure()
+            meta = _open_engine(meta_url, path)
+            meta.init_volume(config)
+            tmp = os.path.join(path, VOLUME_FILE + ".tmp")
+            # not for others (0660 less the umask): a PostgreSQL URL may carry its password
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
+                json.dump({"format": FORMAT_VERSION, "meta": meta_url}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, os.path.join(path, VOLUME_FILE))
+        except BaseException as e:
+            if meta is not None:
+                meta.close()
+            for node in nodes_objs:
+                node.close()
+            _remove_new(path, fresh, before)
+            if isinstance(e, NodeError | OSError | ValueError) and not isinstance(e, VolumeError):
+                raise VolumeError(f"cannot format {path}: {e}") from None
+            raise
         return cls(meta, config, base_dir=path, nodes=nodes_objs)
 
     @classmethod
@@ -502,3 +520,23 @@ def _open_engine(url: str, base_dir: str) -> MetaEngine:
         return open_engine(url, base_dir)
     except EngineURLError as e:
         raise VolumeError(str(e)) from None
+
+
+def _remove_new(path: str, fresh: bool, before: set[str]) -> None:
+    """Undo a failed format: the directory if it made it, else only the entries it added."""
+    if fresh:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        added = set(os.listdir(path)) - before
+    except OSError:
+        return
+    for name in added:
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
