@@ -230,3 +230,34 @@ def test_stats_keys(volume):
     assert st["logical_bytes"] == 8 * MiB
     assert st["unique_chunks"] == 1  # two identical zero chunks
     assert st["stored_bytes"] < 64 * 1024  # zeros compress
+
+
+def test_a_store_remembers_a_bounded_number_of_bad_replicas(make_volume):
+    """A long-running process (a mount) used to keep every bad replica it ever met."""
+    from chunkstore.store import BAD_REPLICAS_KEPT, BadReplica
+
+    vol = make_volume(nodes=2, replicas=1)
+    for i in range(BAD_REPLICAS_KEPT + 500):
+        vol.store._report(BadReplica(i.to_bytes(16, "big"), "n0", "test", False))
+    assert len(vol.store.bad_replicas) == BAD_REPLICAS_KEPT
+    assert vol.store.bad_replicas_seen == BAD_REPLICAS_KEPT + 500
+    assert vol.store.bad_replicas[-1].cid == (BAD_REPLICAS_KEPT + 499).to_bytes(16, "big")
+
+
+def test_the_mount_forgets_page_generations_with_the_inode(make_volume):
+    """The kernel drops an inode's pages when it forgets the inode: so does the mount's map
+    (it grew by every file ever opened)."""
+    import trio
+
+    from fusefs.mount.fs import CkptFS
+
+    vol = make_volume(nodes=2, replicas=1)
+    fs = CkptFS(vol, "/nonexistent")
+    for ino in range(100, 200):
+        fs.lookups[ino] = 2
+        fs.page_gen[ino] = 1
+    trio.run(fs.forget, [(ino, 2) for ino in range(100, 150)] + [(150, 1)])
+    assert sorted(fs.page_gen) == list(range(150, 200))
+    assert fs.lookups[150] == 1
+    if fs.local is not None:
+        fs.local.close()

@@ -376,6 +376,7 @@ class CkptFS(pyfuse3.Operations):
                 else:
                     self.lookups.pop(ino, None)
                     self.direct_written.discard(ino)  # the kernel dropped its pages with it
+                    self.page_gen.pop(ino, None)  # (the map grew by every file ever opened)
                     await self._reap(ino)
         except Exception:  # forget has no reply: never let it escape
             log.exception("forget failed")
