@@ -108,6 +108,29 @@ def test_journal_torn_tail_and_corrupt_record_are_ignored():
     assert st2.torn and c not in st2.pending
 
 
+def test_a_damaged_record_in_the_middle_keeps_the_records_after_it():
+    """A damaged run used to end the replay: every record after it was lost, and the chunks
+    they named were never uploaded nor cleaned."""
+    a, b, c, d = (bytes([i]) * 16 for i in (1, 2, 3, 4))
+    small = os.urandom(3000)
+    recs = [
+        pack_record(KIND_PENDING, a, 10, 1),
+        pack_record(KIND_PENDING, b, 20, 2),
+        pack_inline(c, small, 3),
+        pack_record(KIND_DONE, a, 0, 4),
+        pack_record(KIND_PENDING, d, 40, 5),
+    ]
+    data = bytearray(b"".join(recs))
+    data[len(recs[0]) + 5] ^= 0x40  # inside b's record
+    st = parse_segment(bytes(data))
+    assert st.corrupt == 1 and st.skipped == len(recs[1]) and not st.torn
+    assert st.pending == {c: (3000, 3), d: (40, 5)} and st.inline == {c: small}
+    assert set(st.done) == {a} and st.records == 4
+    data[-len(recs[-1]) - 3] ^= 0x01  # and the CRC of a's D record: two runs, a comes back
+    st = parse_segment(bytes(data))
+    assert st.corrupt == 2 and a in st.pending and d in st.pending
+
+
 def test_journal_inline_records_carry_their_bytes_checksummed():
     a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
     small = os.urandom(5000)
@@ -1006,3 +1029,34 @@ def test_a_sync_waiting_on_a_retired_file_returns_once_its_fsync_is_done():
     assert calls == [1] and events == ["fsync done", "closed"]
     gs.sync()  # retired: returns at once
     assert calls == [1]
+
+
+def test_a_staged_chunk_whose_record_was_lost_is_uploaded(vol_path, tmp_path):
+    """reconcile_staged: a staged file that no journal names any more (its record was in
+    a damaged run) is checked and uploaded by the next tier; a corrupt one is removed."""
+    staging = str(tmp_path / "staging")
+    vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
+    cid, raw = _raw_chunk(vol, 300_000, 5)
+    bad_cid, bad_raw = _raw_chunk(vol, 300_000, 6)
+    vol.tier.put(cid, codec.encode(raw, "none"))
+    vol.tier.put(bad_cid, codec.encode(bad_raw, "none"))
+    seg = vol.tier.seg.path
+    vol.close()  # nothing uploaded (idle_s=600): both chunks pending in the journal
+    with open(seg, "r+b") as f:  # damage both P records
+        data = bytearray(f.read())
+        for i in range(0, len(data), REC_SIZE):
+            data[i + 10] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+    with open(os.path.join(staging, "staged", bad_cid.hex()), "r+b") as f:
+        f.seek(5000)
+        f.write(b"\0" * 16)
+    vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
+    try:
+        assert vol.tier.stats()["pending_chunks"] == 0  # young files: left to their writer
+        assert vol.tier.reconcile_staged(min_age=0) == 1
+        assert not os.path.exists(os.path.join(staging, "staged", bad_cid.hex()))
+        vol.tier.flush(timeout=60)
+        assert vol.store.get(cid) == raw
+    finally:
+        vol.close()

@@ -61,25 +61,48 @@ class SegmentState:
     records: int
     torn: bool  # a partial or corrupt tail was ignored
     inline: dict[bytes, bytes] = field(default_factory=dict)  # pending from I records: bytes
+    corrupt: int = 0  # damaged runs in the middle, skipped (the records after them are kept)
+    skipped: int = 0  # bytes in those runs
+
+
+_KINDS = (KIND_PENDING, KIND_INLINE, KIND_UPLOADED, KIND_DONE)
+
+
+def _record_at(data: bytes, off: int) -> tuple[int, bytes, int, int, int] | None:
+    """(kind, cid, size, time_ns, end of body) of a whole, checksummed record at `off`."""
+    if len(data) - off < REC_SIZE:
+        return None
+    kind, cid, size, t_ns = _REC.unpack_from(data, off)
+    if kind not in _KINDS:
+        return None
+    body_end = off + _REC.size + (size if kind == KIND_INLINE else 0)
+    if kind == KIND_INLINE and (size > INLINE_MAX or body_end + _CRC.size > len(data)):
+        return None
+    (crc,) = _CRC.unpack_from(data, body_end)
+    if xxhash.xxh32_intdigest(data[off:body_end]) != crc:
+        return None
+    return kind, cid, size, t_ns, body_end
 
 
 def parse_segment(data: bytes) -> SegmentState:
-    """Replay a segment: records up to the first torn or corrupt one (a crash mid-append)."""
+    """Replay a segment. A record that does not check out is skipped up to the next one
+    that does: in the middle (a damaged sector) the records after it are kept and counted
+    in `corrupt`; at the end (a crash mid-append) it is a torn tail. A damaged run used to
+    end the replay, losing every record after it."""
     st = SegmentState({}, {}, {}, 0, False)
     off, end = 0, len(data)
     while off < end:
-        if end - off < REC_SIZE:
-            st.torn = True
-            break
-        kind, cid, size, t_ns = _REC.unpack_from(data, off)
-        body_end = off + _REC.size + (size if kind == KIND_INLINE else 0)
-        if kind == KIND_INLINE and (size > INLINE_MAX or body_end + _CRC.size > end):
-            st.torn = True
-            break
-        (crc,) = _CRC.unpack_from(data, body_end)
-        if xxhash.xxh32_intdigest(data[off:body_end]) != crc:
-            st.torn = True
-            break
+        rec = _record_at(data, off)
+        if rec is None:
+            nxt = next((o for o in range(off + 1, end - REC_SIZE + 1) if _record_at(data, o)), None)
+            if nxt is None:
+                st.torn = True
+                break
+            st.corrupt += 1
+            st.skipped += nxt - off
+            off = nxt
+            continue
+        kind, cid, size, t_ns, body_end = rec
         if kind in (KIND_PENDING, KIND_INLINE):
             st.pending[cid] = (size, t_ns)
             st.uploaded.pop(cid, None)
@@ -88,7 +111,7 @@ def parse_segment(data: bytes) -> SegmentState:
                 st.inline[cid] = bytes(data[off + _REC.size : body_end])
             else:
                 st.inline.pop(cid, None)
-        elif kind in (KIND_UPLOADED, KIND_DONE):
+        else:
             st.pending.pop(cid, None)
             st.inline.pop(cid, None)
             if kind == KIND_UPLOADED:
@@ -96,9 +119,6 @@ def parse_segment(data: bytes) -> SegmentState:
             else:
                 st.uploaded.pop(cid, None)
             st.done[cid] = t_ns
-        else:
-            st.torn = True
-            break
         st.records += 1
         off = body_end + _CRC.size
     return st

@@ -19,6 +19,7 @@ from chunkstore.fileio import (
     fsync_dir,
     write_new,
 )
+from chunkstore.ids import from_hex
 from chunkstore.tier.journal import (
     KIND_UPLOADED,
     SEGMENT_SUFFIX,
@@ -31,6 +32,8 @@ from chunkstore.tier.journal import (
 from chunkstore.tier.status import pid_alive
 
 log = logging.getLogger("ckptfs.tier")
+
+RECONCILE_AGE_S = 60.0  # staged files renamed more recently may be a live writer's
 
 
 class Recovery:
@@ -83,6 +86,12 @@ class Recovery:
         return True
 
     def _adopt(self, name: str, path: str, state: SegmentState) -> int:
+        if state.corrupt:
+            log.warning(
+                "journal %s: %d damaged run(s), %d bytes, skipped; the %d records around them "
+                "are kept (staged chunks they named are found by reconcile_staged)",
+                name, state.corrupt, state.skipped, state.records,
+            )  # fmt: skip
         if state.torn:
             log.info("journal %s: torn tail after %d records ignored", name, state.records)
         carry = []
@@ -135,6 +144,14 @@ class Recovery:
             now = time.monotonic()
             for cid in uploaded:
                 self._unregistered[cid] = (now, 0.0)
+        self._queue_carried(carry)
+        if carry or state.pending:
+            log.info("adopted journal %s: %d pending chunks to upload", name, len(carry))
+        return len(carry)
+
+    def _queue_carried(self, carry: list[tuple[bytes, int, int]]) -> None:
+        """Queue chunks now journaled as pending in our segment for upload, oldest first."""
+        with self._cond:
             for cid, size, t_ns in carry:
                 if cid in self._pending:
                     continue
@@ -143,6 +160,49 @@ class Recovery:
                 self._seq += 1
                 heapq.heappush(self._queue, (t_ns, self._seq, cid))
             self._cond.notify_all()
-        if carry or state.pending:
-            log.info("adopted journal %s: %d pending chunks to upload", name, len(carry))
+
+    def reconcile_staged(self, min_age: float | None = None) -> int:
+        """Take the staged chunks that no journal names as pending here; returns how many.
+
+        A staged file is renamed into staged/ right before its P record is appended, so a
+        file no segment names is one whose record was lost (a damaged journal run: see
+        parse_segment), or one renamed in the last moments by a live process: files
+        renamed less than `min_age` ago (ctime: a rename sets it) are left alone. Each is
+        checked before it is taken; a corrupt one is reported and removed (its record is
+        gone, nothing could ever upload it). Without this such chunks were never uploaded
+        nor cleaned."""
+        min_age = RECONCILE_AGE_S if min_age is None else min_age
+        named = set(self._pending)
+        for _, _, fd in open_segments(self.journal_dir, skip=self.seg.name):
+            with open(fd, "rb", closefd=False) as f:
+                named.update(parse_segment(f.read()).pending)
+        now = time.time()
+        carry = []
+        with os.scandir(self.staged_dir) as it:
+            entries = list(it)
+        for e in entries:
+            try:
+                cid = from_hex(e.name)
+                if cid in named:
+                    continue
+                st = e.stat(follow_symlinks=False)
+                if now - st.st_ctime < min_age or not e.is_file(follow_symlinks=False):
+                    continue
+                with open(e.path, "rb") as f:
+                    codec.verify(f.read())
+            except ValueError:
+                continue  # not a chunk file: not ours
+            except FileNotFoundError:
+                continue  # uploaded and moved meanwhile
+            except codec.ChunkFormatError as err:
+                self.lost += 1
+                log.error("staged chunk %s named by no journal is corrupt: %s", e.name, err)
+                os.unlink(e.path)
+                continue
+            carry.append((cid, st.st_size, st.st_mtime_ns))
+        if carry:
+            carry.sort(key=lambda c: c[2])
+            self.seg.add_pending(carry, {})
+            self._queue_carried(carry)
+            log.warning("%d staged chunk(s) no journal named are queued for upload", len(carry))
         return len(carry)

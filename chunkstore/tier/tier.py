@@ -155,6 +155,7 @@ class WriteBehindTier(Recovery):
         self._rescan()
         self._clean_tmp()
         self.adopt_orphans()
+        self.reconcile_staged()
         self._threads = [
             threading.Thread(target=self._upload_loop, name=f"ckptfs-upload-{i}", daemon=True)
             for i in range(uploaders)
