@@ -1,4 +1,5 @@
-"""FileReader: range reads over a file's extents, with read-ahead of the following chunks.
+"""FileReader: range reads over a file's extents, with read-ahead of the following chunks
+for a reader that goes on where it stopped (a random reader fetches only what it reads).
 
 Chunks come from Volume.fetch_chunk (verified; through the host tier's read cache when one
 is attached); the range arithmetic is fusefs.client.extents, shared with every reader.
@@ -30,6 +31,7 @@ class FileReader:
         self._cache: OrderedDict[bytes, Future[bytes]] = OrderedDict()
         self._readahead = readahead
         self._pos = 0
+        self._end = 0  # where the last pread ended: a read from there is sequential
 
     def _chunk(self, e: Extent) -> Future[bytes]:
         cid = e.chunk_id
@@ -50,10 +52,13 @@ class FileReader:
         if size == 0:
             return b""
         end = offset + size
+        sequential = offset == 0 or offset == self._end
+        self._end = end
         idx = ext.overlapping(self.extents, self._starts, offset, end)
         if idx:
             futs = [self._chunk(self.extents[i]) for i in idx]
-            self._prefetch(idx[-1] + 1)
+            if sequential:
+                self._prefetch(idx[-1] + 1)
         if len(idx) == 1 and ext.covers(self.extents[idx[0]], offset, end):
             return bytes(ext.view(self.extents[idx[0]], futs[0].result(), offset, end))
         out = bytearray(size)

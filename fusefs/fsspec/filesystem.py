@@ -33,6 +33,7 @@ from fsspec.spec import AbstractFileSystem
 from fsspec.utils import stringify_path
 
 from fusefs.client.extents import clip
+from fusefs.client.reader import FileReader
 from fusefs.client.registry import tier_spec, volume_for
 from fusefs.client.volume import Volume
 from fusefs.fsspec.errors import translated
@@ -321,8 +322,12 @@ class CkptfsFileSystem(AbstractFileSystem):
         """Bytes [start, end) of a file (negative: from its end): only those chunks are
         fetched."""
         path = self._strip_protocol(path)
+        attr = self._resolve(path)
+        if not attr.is_reg:
+            err = errno.EISDIR if attr.is_dir else errno.EINVAL
+            raise OSError(err, f"{os.strerror(err)}: {self._url(path)}")
         with translated(self._url(path)):
-            with self.volume.open_read(path) as r:
+            with FileReader(self.volume, attr, readahead=0) as r:
                 size = r.size
                 lo = 0 if start is None else (max(0, size + start) if start < 0 else start)
                 hi = size if end is None else (max(0, size + end) if end < 0 else min(end, size))
