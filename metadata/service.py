@@ -64,6 +64,7 @@ from metadata.protocol import (
     parse_request,
 )
 from metadata.readbatch import ReadBatcher
+from metadata.servicestats import ServiceStats
 
 log = logging.getLogger("ckptfs.meta")
 
@@ -148,8 +149,9 @@ class _Conn:
     queued, not written: a client that resends many requests before it reads again (after
     a reconnect) must not wait for the service while the service waits for it."""
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    def __init__(self, stream: trio.abc.Stream, counters: ServiceStats | None = None) -> None:
         self.stream = stream
+        self.counters = counters
         self.out: list[bytes] = []
         self.out_bytes = 0
         self.wake = trio.Event()
@@ -175,6 +177,8 @@ class _Conn:
         """Answer request `rid` from an outcome (result or error); frees its in-flight slot."""
         result, error = (outcome.result, outcome.error) if isinstance(outcome, _Slot) else outcome
         self.inflight -= 1
+        if self.counters is not None:
+            self.counters.reply(method, error)
         try:
             if error is None:
                 body = encode_answer(rid, result)
@@ -270,6 +274,7 @@ class MetaService:
         self.connections = 0
         self._hello_waits: OrderedDict[object, trio.CancelScope] = OrderedDict()
         self.stats = {"requests": 0, "inline": 0, "bad_clients": 0, "hello_evictions": 0}
+        self.counters = ServiceStats()  # replies, latencies, batches, steps (for metrics)
 
     # -- lifecycle -------------------------------------------------------------
     async def serve(
@@ -412,7 +417,7 @@ class MetaService:
             )
             return
         await stream.send_all(encode_frame({"ok": True, "proto": PROTO_VERSION}))
-        conn = _Conn(stream)
+        conn = _Conn(stream, self.counters)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(conn.writer)
@@ -464,6 +469,8 @@ class MetaService:
                 return
             if method == "commit_rank":
                 item = _commit_args(*args, **kwargs)
+                started = self.counters.commit_arrived(item[0], item[1])
+                slot.add(lambda _s: self.counters.commit_answered(started))
                 self._group.submit(item, slot)
                 return
             if method == "manifest":
@@ -509,6 +516,11 @@ class MetaService:
         if method == "wait_published":
             return await self._wait_published(*args, **kwargs)
         result = await self._run(getattr(self.engine, method), *args, **kwargs)
+        if method == "abort":
+            self.counters.step_state(result["job"], result["step"], result["state"])
+        elif method == "expire":
+            for job, step in result or ():
+                self.counters.step_state(job, step, "aborted")
         if method in ("abort", "expire", "begin"):
             self._notify()
         if method in ("delete_checkpoint", "retain", "apply_retention"):
@@ -529,11 +541,13 @@ class MetaService:
         """A written group commit (on the loop): answers, terminal states, manifests."""
         changed = False
         encoded: dict[int, msgspec.Raw] = {}  # ranks of a step share one answer object
+        self.counters.batch(len(batch))
         for (item, slot), res in zip(batch, results, strict=True):
             if isinstance(res, MetaError):
                 slot.set(error=res)
             else:
                 key = (res["job"], res["step"])
+                self.counters.step_state(res["job"], res["step"], res["state"])
                 self._remember_files(key, item, res)
                 if res["state"] != "open" and key not in self._terminal:
                     self._terminal[key] = res
@@ -563,7 +577,10 @@ class MetaService:
         while True:
             await trio.sleep(EXPIRE_EVERY)
             try:
-                if await self._run(self.engine.expire):
+                expired = await self._run(self.engine.expire)
+                for job, step in expired or ():
+                    self.counters.step_state(job, step, "aborted")
+                if expired:
                     self._notify()
             except Exception:
                 log.exception("deadline check failed")
