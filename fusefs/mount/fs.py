@@ -792,13 +792,18 @@ def serve(
     *,
     allow_other: bool = False,
     on_ready: Callable[[], None] | None = None,
+    on_start: Callable[[CkptFS], None] | None = None,
 ) -> None:
-    """Mount, serve until unmounted or SIGINT/SIGTERM, unmount. Blocks."""
+    """Mount, serve until unmounted or SIGINT/SIGTERM, unmount. Blocks.
+    `on_start(fs)` gets the filesystem object before the mount (the metrics endpoint
+    reads its counters)."""
     mountpoint = os.path.abspath(mountpoint)
     purged = vol.meta.purge_orphans()
     if purged:
         log.info("purged %d orphan inode(s) left by a crash", purged)
     fs = CkptFS(vol, mountpoint)
+    if on_start is not None:
+        on_start(fs)
     _tune_malloc()
     pyfuse3.init(fs, mountpoint, mount_options(allow_other=allow_other))
     try:
