@@ -14,7 +14,6 @@ import re
 import socket
 import subprocess
 import sys
-import tomllib
 
 import fsspec
 import fsspec.tests.abstract as abstract
@@ -23,6 +22,7 @@ import pytest
 from fusefs.client.registry import close_volumes
 from fusefs.client.volume import Volume, VolumeSettings
 from fusefs.fsspec import CkptfsFileSystem
+from tests.fixtures.fsspec_entry import declared_entry_point
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 64 * 1024
@@ -91,42 +91,8 @@ class TestCkptfsPipe(abstract.AbstractPipeTests, CkptfsFixtures):
 
 
 # -- the entry point -------------------------------------------------------------------------
-def _declared_entry_point() -> str:
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        project = tomllib.load(f)["project"]
-    return project["entry-points"]["fsspec.specs"]["ckptfs"]
-
-
-@pytest.fixture(scope="module")
-def entry_point_site(tmp_path_factory) -> str | None:
-    """A directory whose dist-info carries pyproject.toml's fsspec.specs entry point, put on
-    sys.path (and fsspec told), when the installed metadata lacks it: a developer whose
-    install points at another checkout. None when this checkout is what is installed
-    (`pip install -e .`, as CI does): then the real entry point is what the tests use."""
-    installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="fsspec.specs")}
-    if installed.get("ckptfs") == _declared_entry_point():
-        return None
-    site = tmp_path_factory.mktemp("site")
-    info = site / "ckptfs_checkout-0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ckptfs-checkout\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(f"[fsspec.specs]\nckptfs = {_declared_entry_point()}\n")
-    sys.path.insert(0, str(site))
-    fsspec.process_entries()
-    return str(site)
-
-
-@pytest.fixture(scope="module")
-def entry_point_env(entry_point_site) -> dict:
-    """The environment of a subprocess that sees the same entry point."""
-    env = dict(os.environ)
-    paths = ([entry_point_site] if entry_point_site else []) + [ROOT]
-    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
-    return env
-
-
 def test_entry_point_names_the_filesystem():
-    mod, _, name = _declared_entry_point().partition(":")
+    mod, _, name = declared_entry_point().partition(":")
     assert getattr(importlib.import_module(mod), name) is CkptfsFileSystem
 
 
