@@ -205,7 +205,9 @@ class VolumeCollector(Collector):
             total("upload_failures"),
         )
         yield _counter(
-            "tier_lost_chunks", "Staged chunks found unreadable (see the log)", total("lost_chunks")
+            "tier_lost_chunks",
+            "Staged chunks found corrupt, never uploaded (fsck: lost)",
+            total("lost_chunks"),
         )
         yield _counter(
             "tier_writer_waits", "Times a writer waited for staging space", total("writer_waits")
@@ -218,10 +220,10 @@ class VolumeCollector(Collector):
         )
         yield _gauge("tier_budget_bytes", "Staging budget", total("budget_bytes"))
         yield _counter(
-            "tier_cache_hits", "Chunk reads served from this host's staging", total("cache_hits")
+            "tier_cache_hits", "Chunk reads served by the host read cache", total("cache_hits")
         )
         yield _counter(
-            "tier_cache_misses", "Chunk reads that went to the nodes", total("cache_misses")
+            "tier_cache_misses", "Chunk reads the host read cache missed", total("cache_misses")
         )
 
 

@@ -163,3 +163,74 @@ def test_service_metrics(tmp_path):
         proc.wait(timeout=30)
         proc.stdout.close()
         proc.stderr.close()
+
+
+def _every_family() -> dict[str, str]:
+    """Every metric family the collectors export, from stand-ins for the objects they read
+    (name -> type), plus the namespaced process metrics."""
+    from types import SimpleNamespace
+
+    from chunkstore.health import NodeHealth
+    from fusefs.metrics import MountCollector, ServiceCollector, VolumeCollector, _Info
+    from metadata.servicestats import ServiceStats
+
+    fs = SimpleNamespace(
+        op_counts={"write": 1}, op_errors={"lookup": 1}, bytes_read=0, bytes_written=0,
+        handles={}, vol=None,
+        cache=SimpleNamespace(dirty_bytes=0, inflight_bytes=0, cache_hits=0, cache_misses=0,
+                              _cached_bytes=0),
+    )  # fmt: skip
+    stats = dict.fromkeys(
+        ["pending_chunks", "pending_bytes", "to_upload_chunks", "uploaded_chunks",
+         "uploaded_bytes", "upload_rate_bps", "upload_failures", "lost_chunks",
+         "writer_waits", "used_bytes", "cached_bytes", "budget_bytes", "cache_hits",
+         "cache_misses"], 0,
+    )  # fmt: skip
+    stats["oldest_pending_ns"] = None
+    sink = SimpleNamespace(
+        **dict.fromkeys(
+            ["chunks_in", "bytes_in", "dedup_hits", "dedup_bytes", "puts_inline", "puts_tier",
+             "puts_nodes", "stored_bytes"], 0,
+        )
+    )  # fmt: skip
+    vol = SimpleNamespace(
+        sink=sink,
+        store=SimpleNamespace(bad_replicas_seen=0, health={"n0": NodeHealth()}),
+        tier=SimpleNamespace(stats=lambda: stats),
+    )
+    counters = ServiceStats()
+    counters.reply("lookup", None)
+    svc = SimpleNamespace(counters=counters, connections=0,
+                          stats={"bad_clients": 0, "hello_evictions": 0})  # fmt: skip
+    mount = MountCollector()
+    mount.attach(fs)
+    out = {}
+    for c in (mount, VolumeCollector(lambda: [vol]), ServiceCollector(svc), _Info("mount")):
+        for fam in c.collect():
+            out[fam.name] = fam.type
+    return out
+
+
+def test_every_metric_is_documented_and_the_dashboard_uses_real_ones():
+    import json
+    import re
+
+    families = _every_family()
+    assert all(name.startswith("ckptfs_") for name in families)
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `(ckptfs_\w+)` \|", section, re.M))
+    exported = {n + "_total" if t == "counter" else n for n, t in families.items()}
+    exported.discard("ckptfs_info")  # described in the section's text
+    assert exported <= documented, f"not in the README: {sorted(exported - documented)}"
+    assert documented <= exported, f"documented but not exported: {sorted(documented - exported)}"
+    with open(os.path.join(ROOT, "docs", "grafana-ckptfs.json")) as f:
+        dashboard = json.load(f)
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used.update(re.findall(r"ckptfs_\w+", target["expr"]))
+    known = exported | {n + s for n, t in families.items() if t == "histogram"
+                        for s in ("_bucket", "_sum", "_count")}  # fmt: skip
+    assert used and used <= known, f"dashboard names unknown metrics: {sorted(used - known)}"
