@@ -338,3 +338,11 @@ def serve_mount_metrics(listen: tuple[str, int]) -> tuple[MetricsServer, MountCo
 def serve_service_metrics(listen: tuple[str, int], service: Any) -> MetricsServer:
     """The endpoint of `ckptfs meta serve`."""
     return MetricsServer(listen[0], listen[1], "meta", [ServiceCollector(service)])
+
+
+def serve_process_metrics(listen: tuple[str, int]) -> MetricsServer:
+    """An endpoint for a training process: the volume client and write-behind tier of the
+    volumes its DCP writers and fsspec filesystems opened (fusefs.client.registry)."""
+    from fusefs.client.registry import open_volumes
+
+    return MetricsServer(listen[0], listen[1], "client", [VolumeCollector(open_volumes)])

@@ -234,3 +234,31 @@ def test_every_metric_is_documented_and_the_dashboard_uses_real_ones():
     known = exported | {n + s for n, t in families.items() if t == "histogram"
                         for s in ("_bucket", "_sum", "_count")}  # fmt: skip
     assert used and used <= known, f"dashboard names unknown metrics: {sorted(used - known)}"
+
+
+def test_a_training_process_can_export_its_volumes(tmp_path, monkeypatch, entry_point_site):
+    """serve_process_metrics: the client and tier metrics of what fsspec (or DCP) opened."""
+    import fsspec
+
+    from fusefs.client.registry import close_volumes
+    from fusefs.client.volume import Volume
+    from fusefs.metrics import serve_process_metrics
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    vol = str(tmp_path / "vol")
+    Volume.create(vol).close()
+    server = serve_process_metrics(("127.0.0.1", 0))
+    try:
+        n = 9 * MiB
+        with fsspec.open("ckptfs:///m/data", "wb", volume=vol) as f:
+            f.write(os.urandom(n))
+        s = scrape(server.port)
+        assert value(s, "ckptfs_client_logical_bytes_total") == n
+        assert value(s, "ckptfs_client_chunk_puts_total", where="tier") == 3
+        with fsspec.open("ckptfs:///m/copy", "wb", volume=vol) as f:
+            f.write(fsspec.filesystem("ckptfs", volume=vol).cat_file("/m/data"))
+        s = scrape(server.port)
+        assert value(s, "ckptfs_client_dedup_hits_total") == 3
+    finally:
+        server.close()
+        close_volumes()
