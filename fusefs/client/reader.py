@@ -28,16 +28,18 @@ class FileReader:
         self.size = attr.size
         self.extents = vol.meta.get_extents(attr.ino)
         self._starts = ext.starts_of(self.extents)
-        self._cache: OrderedDict[bytes, Future[bytes]] = OrderedDict()
+        self._cache: OrderedDict[bytes, Future[bytes | memoryview]] = OrderedDict()
         self._readahead = readahead
         self._pos = 0
         self._end = 0  # where the last pread ended: a read from there is sequential
 
-    def _chunk(self, e: Extent) -> Future[bytes]:
+    def _chunk(self, e: Extent) -> Future[bytes | memoryview]:
         cid = e.chunk_id
         fut = self._cache.get(cid)
         if fut is None:
-            fut = self.vol.pool.submit(self.vol.fetch_chunk, cid, small=maybe_inline(e))
+            # view=True: a raw chunk held on this host comes back as a view of its mapped
+            # file (no read into a fresh buffer); pread copies out of it once.
+            fut = self.vol.pool.submit(self.vol.fetch_chunk, cid, small=maybe_inline(e), view=True)
             self._cache[cid] = fut
             while len(self._cache) > self._readahead + 4:
                 self._cache.popitem(last=False)
