@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from metadata.checkpoints import pack_files
+from metadata.ckptformat import pack_files
 from metadata.engine import MetaEngine, MetaError
 from metadata.protocol import (
     MAX_FRAME,

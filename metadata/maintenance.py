@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from metadata.checkpoints import blob_chunk_ids
+from metadata.ckptformat import blob_chunk_ids
 from metadata.engine import ChunkRow, check_new_chunks
 
 

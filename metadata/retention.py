@@ -17,7 +17,8 @@ import errno
 import json
 from typing import Any
 
-from metadata.checkpoints import ABORTED, DELETED, OPEN, PUBLISHED, _check_int, _check_job
+from metadata.checkpoints import ABORTED, DELETED, OPEN, PUBLISHED
+from metadata.ckptcheck import check_int, check_job
 from metadata.engine import MetaError
 
 _POLICY_KEY = "retention:"
@@ -38,8 +39,8 @@ class RetentionMixin:
     # -- deleting ------------------------------------------------------------
     def delete_checkpoint(self, job: str, step: int) -> dict:
         """Delete a published step (idempotent for an already deleted or aborted one)."""
-        _check_job(job)
-        _check_int(step, "step")
+        check_job(job)
+        check_int(step, "step")
         with self._ckpt_tx() as c:
             state, _, root, path = self._step(c, job, step)[:4]
             if state == OPEN:
@@ -88,8 +89,8 @@ class RetentionMixin:
     # -- keep-last ---------------------------------------------------------
     def retain(self, job: str, keep_last: int) -> list[int]:
         """Delete all published steps of a job but the newest `keep_last`; returns them."""
-        _check_job(job)
-        keep = _check_int(keep_last, "keep_last", lo=1)
+        check_job(job)
+        keep = check_int(keep_last, "keep_last", lo=1)
         with self._ckpt_read() as c:
             steps = [
                 int(r[0])
@@ -106,12 +107,12 @@ class RetentionMixin:
 
     def set_retention(self, job: str, keep_last: int | None) -> None:
         """Keep only the newest `keep_last` published steps of `job` (None: keep all)."""
-        _check_job(job)
+        check_job(job)
         key = _POLICY_KEY + job
         with self._ckpt_tx() as c:
             self._x(c, "DELETE FROM config WHERE key = ?", (key,))
             if keep_last is not None:
-                keep = _check_int(keep_last, "keep_last", lo=1)
+                keep = check_int(keep_last, "keep_last", lo=1)
                 self._x(
                     c,
                     "INSERT INTO config (key, value) VALUES (?, ?)",
@@ -119,7 +120,7 @@ class RetentionMixin:
                 )
 
     def get_retention(self, job: str) -> int | None:
-        _check_job(job)
+        check_job(job)
         with self._ckpt_read() as c:
             row = self._one(c, "SELECT value FROM config WHERE key = ?", (_POLICY_KEY + job,))
         return None if row is None else int(json.loads(row[0])["keep_last"])

@@ -46,7 +46,7 @@ from typing import Any
 import msgspec
 import trio
 
-from metadata.checkpoints import file_fields, pack_files
+from metadata.ckptformat import file_fields, pack_files
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
