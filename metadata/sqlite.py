@@ -13,12 +13,13 @@ next ordinary write (in the service, the idle journal apply) does it.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sqlite3
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from chunkstore.fileio import fsync_dir, start_writeback
 from metadata.sqlbase import SqlEngine
 
 SCHEMA = [
@@ -72,6 +73,38 @@ WAL_AUTOCHECKPOINT = 1000  # pages: SQLite's default, for ordinary transactions
 WAL_DEFER_MAX = 512 << 20  # a durable commit defers the WAL copy up to this WAL size
 WAL_KEEP = 64 << 20  # `wal_checkpoint` cuts a WAL it starts over back to this size
 CHECKPOINT_WAIT = 0.02  # seconds `wal_checkpoint` may wait for readers (writers wait meanwhile)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_file_range_fn() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range_fn()
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the WAL's dirty pages (Linux sync_file_range(SYNC_FILE_RANGE_WRITE),
+    no wait), so the publish's fsync finds little left; a no-op where libc lacks it.
+
+    These two small file helpers are written here, not imported from chunkstore.fileio
+    (which has the same pair for staged chunks): metadata and chunkstore do not import
+    each other (DESIGN.md, "Layers")."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, 2)  # 2: SYNC_FILE_RANGE_WRITE
 
 
 def _no_others(path: str) -> None:
@@ -164,7 +197,7 @@ class SqliteEngine(SqlEngine):
 
     def _start_writeback(self) -> None:
         with self._lock:
-            self._on_wal(start_writeback)
+            self._on_wal(_start_writeback)
 
     def wal_checkpoint(self) -> bool:
         """Copy the WAL into the database and start it over; False if readers kept it
@@ -221,7 +254,7 @@ class SqliteEngine(SqlEngine):
         os.fsync(fd)
         ino = os.fstat(fd).st_ino
         if ino != self._wal_named:
-            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
             self._wal_named = ino
 
     def _on_wal(self, fn) -> None:

@@ -594,6 +594,16 @@ def test_inline_sqlite_connection_never_waits_nor_applies_the_journal(tmp_path):
         assert v2.meta.create(ROOT_INO, b"e", stat.S_IFDIR | 0o755, 0, 0).ino > d.ino
 
 
+def test_metadata_checks_inline_ids_as_the_data_plane_makes_them():
+    """metadata.engine computes chunk ids itself (metadata and chunkstore do not import
+    each other): it must agree with chunkstore.ids, or every inline chunk is refused."""
+    from chunkstore.ids import chunk_id
+    from metadata.engine import inline_chunk_id
+
+    for data, seed in ((b"", 0), (b"x", 1), (os.urandom(16384), 2**63 - 1)):
+        assert inline_chunk_id(data, seed) == chunk_id(data, seed)
+
+
 def test_special_files_keep_type_and_device_number(vol):
     """FIFOs, sockets and device nodes are inodes without data; a device node keeps its
     number, other types none; a type no file can have is refused and nothing is made."""
