@@ -16,8 +16,23 @@ one JSON object per engine:
   latest_rpc_ms       N pipelined `latest` RPCs of one job, as at a restart:
                       answered in batches by the service's read thread
 
+With --jobs J (J > 1) or --meta-replicas R (R > 1) it measures instead whether
+independent jobs commit side by side: J jobs of N ranks each (one load-generator
+process per job, its connection on replica j mod R of R services sharing one
+PostgreSQL database) commit one job after another, then all at once, in the
+same run:
+
+  serial_ms             sum over jobs of (first commit sent -> step published)
+  concurrent_ms         all jobs sent at one barrier -> the last step published
+  concurrent_vs_serial  concurrent_ms / serial_ms (target <= 0.75: writers of
+                        different checkpoints do not queue behind one lock)
+  serial_publish_ms, concurrent_publish_ms  each job's own publish time
+  failovers             client failovers counted (0 unless a replica died)
+
 Usage: python -m bench.commit --ranks 4096 [--engine sqlite|postgres|both] [--tls]
-(--tls: the service speaks TLS, with a self-signed certificate made for the run)
+       python -m bench.commit --engine postgres --jobs 4 --meta-replicas 2 --ranks 1024
+(--tls: the service speaks TLS, with a self-signed certificate made for the run;
+SQLite volumes run one service, so --meta-replicas > 1 skips them)
 """
 
 from __future__ import annotations
@@ -104,6 +119,109 @@ def worker(url: str, job: str, step: int, ranks: list[int], barrier, out) -> Non
     man = _pipelined(client, manifests)
     client.close()
     out.put({"base": base[:2], "latest": latest[:2], "commit": commit, "manifest": man[:2]})
+
+
+def job_worker(
+    url: str, job: str, steps: tuple[int, int], ranks: int, go_serial, barrier, out
+) -> None:
+    """One job's ranks, pipelined on one connection: the serial step when `go_serial` is
+    set, then the concurrent step at the barrier every job waits at."""
+    from metadata.client import connect
+
+    client = connect(url)
+    host = f"bench-{os.getpid()}"
+    phases = []
+    for step in steps:
+        payload = [("commit_rank", (job, step, r, rank_files(r)), {"host": host})
+                   for r in range(ranks)]  # fmt: skip
+        phases.append((step, client.encode_many(payload)))
+    barrier.wait()  # payloads built
+    times = {}
+    for k, (step, calls) in enumerate(phases):
+        if k == 0:
+            go_serial.wait()
+        else:
+            barrier.wait()
+        t0, _, _ = _pipelined(client, calls)
+        state = client.wait_published(job, step, 600)["state"]
+        times[step] = (t0, time.time(), state)
+        if k == 0:
+            out.put(("serial", job, times[step]))
+    out.put(("done", job, times, getattr(client, "failovers", 0)))
+    client.close()
+
+
+def run_jobs(engine: str, n: int, jobs: int, replicas: int, tmp: str, tls: bool = False) -> dict:
+    """`jobs` jobs of `n` ranks, one after another, then all at once (module docstring)."""
+    from fusefs.volume import Volume
+    from metadata.client import connect
+    from tests.fixtures.postgres import PgCluster, pg_available
+    from tests.fixtures.service import MetaServer, self_signed
+
+    head = {"engine": engine, "tls": tls, "ranks": n, "jobs": jobs, "meta_replicas": replicas}
+    if engine == "sqlite" and replicas > 1:
+        return {**head, "skipped": "a SQLite volume runs one service (use --engine postgres)"}
+    cluster = None
+    db = None
+    if engine == "postgres":
+        reason = pg_available()
+        if reason:
+            return {**head, "skipped": reason}
+        cluster = PgCluster(fsync=True)
+        db = cluster.create_db()
+    vol_dir = os.path.join(tmp, f"vol-{engine}")
+    Volume.create(vol_dir, nodes=2, db=db).close()
+    cert = self_signed(tmp) if tls else None
+    servers = []
+    try:
+        servers = [MetaServer(vol_dir, db=db, tls=cert) for _ in range(replicas)]
+        names = [f"job{j}" for j in range(jobs)]
+        steps = (1, 2)  # the serial phase's step, the concurrent phase's
+        main = connect(servers[0].url)
+        for job in names:
+            for step in steps:
+                main.begin(job, step, n, deadline_s=600)
+        ctx = mp.get_context("spawn")
+        barrier = ctx.Barrier(jobs + 1)
+        out = ctx.Queue()
+        go = [ctx.Event() for _ in names]
+        ps = [
+            ctx.Process(target=job_worker, args=(servers[j % replicas].url, job, steps, n,
+                                                 go[j], barrier, out))
+            for j, job in enumerate(names)
+        ]  # fmt: skip
+        for p in ps:
+            p.start()
+        barrier.wait()  # payloads built
+        for j, job in enumerate(names):  # serial: each job alone, the next when it published
+            go[j].set()
+            msg = out.get(timeout=600)
+            assert msg[:2] == ("serial", job), msg
+        barrier.wait()  # concurrent: every job at once
+        done = [out.get(timeout=600) for _ in ps]
+        for p in ps:
+            p.join(timeout=60)
+        main.close()
+    finally:
+        for s in servers:
+            s.stop()
+        if cluster:
+            cluster.stop()
+    serial = [d[2][steps[0]] for d in done]
+    conc = [d[2][steps[1]] for d in done]
+    serial_ms = sum(t1 - t0 for t0, t1, _ in serial) * 1e3
+    conc_ms = (max(t1 for _, t1, _ in conc) - min(t0 for t0, _, _ in conc)) * 1e3
+    return {
+        **head,
+        "states": sorted({st for _, _, st in serial + conc}),
+        "serial_ms": round(serial_ms, 1),
+        "concurrent_ms": round(conc_ms, 1),
+        "concurrent_vs_serial": round(conc_ms / serial_ms, 3) if serial_ms else None,
+        "serial_publish_ms": [round((t1 - t0) * 1e3, 1) for t0, t1, _ in serial],
+        "concurrent_publish_ms": [round((t1 - t0) * 1e3, 1) for t0, t1, _ in conc],
+        "failovers": sum(d[3] for d in done),
+        "extents": jobs * n * FILES * EXTENTS,
+    }
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -195,16 +313,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--procs", type=int, default=4, help="worker processes (connections)")
     ap.add_argument("--engine", choices=["sqlite", "postgres", "both"], default="both")
     ap.add_argument("--tls", action="store_true", help="the service speaks TLS")
+    ap.add_argument("--jobs", type=int, default=1, help="jobs of --ranks ranks each")
+    ap.add_argument("--meta-replicas", type=int, default=1, help="services on one database")
     args = ap.parse_args(argv)
+    if args.ranks < 1 or args.jobs < 1 or args.meta_replicas < 1 or args.procs < 1:
+        ap.error("--ranks, --jobs, --meta-replicas and --procs must be at least 1")
     engines = ["sqlite", "postgres"] if args.engine == "both" else [args.engine]
+    multi = args.jobs > 1 or args.meta_replicas > 1
     tmp = tempfile.mkdtemp(prefix="ckptfs-bench-commit-")
     try:
         procs = min(args.procs, args.ranks)
-        results = {e: run(e, args.ranks, procs, tmp, args.tls) for e in engines}
+        results = {
+            e: run_jobs(e, args.ranks, args.jobs, args.meta_replicas, tmp, args.tls)
+            if multi
+            else run(e, args.ranks, procs, tmp, args.tls)
+            for e in engines
+        }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     targets = {4096: (500, 500), 16384: (2000, None)}.get(args.ranks)
-    print(json.dumps({"bench": "commit", "ranks": args.ranks, "targets_ms": targets, **results}))
+    doc = {"bench": "commit", "ranks": args.ranks, "targets_ms": targets}
+    if multi:
+        doc["target_concurrent_vs_serial"] = 0.75
+    print(json.dumps({**doc, **results}))
     return 0
 
 

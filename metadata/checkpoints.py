@@ -60,6 +60,7 @@ from metadata.engine import (
     UnknownChunks,
     internal_error,
 )
+from metadata.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
 
 __all__ = [  # the packing helpers, importable from here as before
     "CHK", "EXT", "INO", "RANK", "WireFile", "blob_chunk_ids", "file_fields", "pack_chunks",
@@ -125,6 +126,7 @@ class CheckpointMixin:
         """A durable write transaction: checkpoint outcomes are acknowledged to ranks."""
         if not self._ckpt_ready:
             with self._tx() as c:
+                self._lock_named(c, SCHEMA_LOCK)
                 for stmt in self._ckpt_ddl():
                     self._x(c, stmt)
                 # the journal columns a volume made before them lacks (commits write
@@ -158,6 +160,7 @@ class CheckpointMixin:
         return row
 
     # -- begin -------------------------------------------------------------
+    @retried
     def begin(
         self,
         job: str,
@@ -175,6 +178,7 @@ class CheckpointMixin:
             raise MetaError(errno.EINVAL, "deadline_s must be in (0, 30 days]")
         dest = b"/".join(split_rel(path if path is not None else f"{job}/step-{step:06d}"))
         with self._ckpt_tx() as c:
+            self._lock_steps(c, [(job, step)])  # a begin on another service waits, then sees it
             row = self._one(
                 c,
                 "SELECT world_size, path, state FROM ckpt_steps WHERE job = ? AND step = ?",
@@ -284,6 +288,7 @@ class CheckpointMixin:
                 out[i] = MetaError(errno.EINVAL, f"bad commit_rank arguments: {e}")
         return out, [(*t, _rank_parts(t[4], t[8])) for t in todo]
 
+    @retried
     def write_commits(self, prepared: tuple[list[Any], list[tuple]]) -> list[dict | MetaError]:
         """Write prepared commits in one transaction, one bulk insert per table (durable once
         it publishes or aborts a step).
@@ -302,9 +307,15 @@ class CheckpointMixin:
         # it. Measured: 8 embedded DCP ranks each fsyncing their commit queued ~25 ms per
         # rank and halved the step-2 speedup.
         with self._ckpt_tx(durable="lazy") as c:
+            # The steps written (their rank counts, their publish, an abort racing it) and
+            # the chunk gate (the references checked stay valid): see postgres.py.
+            self._lock_steps(c, {(t[1], t[2]) for t in todo})
+            self._lock_named(c, CHUNK_GATE, shared=True)
             self._x(c, "SAVEPOINT batch")
             try:
                 res = self._commit_group(c, todo, careful=False)
+            except self._retryable:
+                raise  # the whole transaction runs again (txlocks.retried)
             except Exception:  # noqa: BLE001 - a conflict; the careful pass names it
                 self._x(c, "ROLLBACK TO SAVEPOINT batch")
                 res = {}
@@ -315,6 +326,8 @@ class CheckpointMixin:
                     except MetaError as e:
                         self._x(c, "ROLLBACK TO SAVEPOINT one")
                         res[t[0]] = e
+                    except self._retryable:
+                        raise
                     except Exception as e:  # noqa: BLE001 - e.g. a value past 2**63: this rank's
                         self._x(c, "ROLLBACK TO SAVEPOINT one")
                         res[t[0]] = internal_error("commit_rank", e)
@@ -626,12 +639,11 @@ class CheckpointMixin:
         try:
             parent = ROOT_INO
             for name in parts[:-1]:
-                row = self._one(
-                    c,
-                    "SELECT d.ino, i.mode FROM dentries d JOIN inodes i ON i.ino = d.ino "
-                    "WHERE d.parent = ? AND d.name = ?",
-                    (parent, name),
-                )
+                row = self._child(c, parent, name)
+                if row is None:  # make it, holding the directory it goes in (namespace.py)
+                    self._lock_inodes(c, (parent,))
+                    self._dir(c, parent)  # not removed meanwhile
+                    row = self._child(c, parent, name)  # nor made by someone else
                 if row is None:
                     ino = self._new_dir_inode(c, _now())
                     self._x(
@@ -645,15 +657,16 @@ class CheckpointMixin:
                     raise MetaError(errno.ENOTDIR, f"{name!r} on the checkpoint path is a file")
                 else:
                     parent = row[0]
-            if self._one(
-                c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", (parent, parts[-1])
-            ):
-                raise MetaError(errno.EEXIST, f"checkpoint path {bytes(path)!r} already exists")
-            self._x(
+            self._lock_inodes(c, (parent,))  # the directory the step's tree is linked into
+            self._dir(c, parent)
+            entry = self._x(
                 c,
-                "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)",
+                "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?) "
+                "ON CONFLICT (parent, name) DO NOTHING",
                 (parent, parts[-1], root),
             )
+            if entry.rowcount != 1:
+                raise MetaError(errno.EEXIST, f"checkpoint path {bytes(path)!r} already exists")
             self._touch_dir(c, parent, 1)
             self._x(
                 c,
@@ -666,11 +679,22 @@ class CheckpointMixin:
             self._x(c, "RELEASE SAVEPOINT publish")
             self._abort(c, job, step, f"publish failed: {e}")
 
+    def _child(self, c: Any, parent: int, name: bytes) -> tuple[int, int] | None:
+        """(ino, mode) of `name` in directory `parent`, or None."""
+        return self._one(
+            c,
+            "SELECT d.ino, i.mode FROM dentries d JOIN inodes i ON i.ino = d.ino "
+            "WHERE d.parent = ? AND d.name = ?",
+            (parent, name),
+        )
+
     # -- abort / deadlines ---------------------------------------------------
+    @retried
     def abort(self, job: str, step: int, reason: str = "aborted by request") -> dict:
         check_job(job)
         check_int(step, "step")
         with self._ckpt_tx() as c:
+            self._lock_steps(c, [(job, step)])
             state = self._step(c, job, step)[0]
             if state == PUBLISHED:
                 raise MetaError(errno.EBUSY, f"{job} step {step} is published; delete it instead")
@@ -678,15 +702,19 @@ class CheckpointMixin:
                 self._abort(c, job, step, str(reason)[:500])
             return self._brief(c, job, step)
 
-    def _subtree(self, c: Any, root: int) -> tuple[list[int], Counter[int]]:
+    def _subtree(self, c: Any, root: int, *, lock: bool = False) -> tuple[list[int], Counter[int]]:
         """The directories under `root` (itself first) and the files in them, each with the
-        number of its links inside the tree; level by level, bounded in depth."""
+        number of its links inside the tree; level by level, bounded in depth. lock=True
+        holds each level's directories before reading their entries (a published tree:
+        nobody adds an entry to them until the transaction ends)."""
         dirs = [root]
         files: Counter[int] = Counter()
         level = [root]
         for _ in range(10_000):  # depth bound
             if not level:
                 break
+            if lock:
+                self._lock_inodes(c, level)
             below: list[int] = []
             for i in range(0, len(level), 500):
                 part = level[i : i + 500]
@@ -710,9 +738,14 @@ class CheckpointMixin:
         inos = dirs + list(files)
         # Ranks whose references are still journalled: drop the entries (never applied).
         # The others' references were applied: take them back.
+        # Locked (PostgreSQL): a row another service is applying right now is waited for,
+        # and then gone (applied, so its ranks count as applied below), never both.
         pending: set[int] = set()
         for first, ranks in self._x(
-            c, "SELECT rank, ranks FROM ref_journal WHERE job = ? AND step = ?", (job, step)
+            c,
+            "SELECT rank, ranks FROM ref_journal WHERE job = ? AND step = ? ORDER BY id"
+            + self._for_update,
+            (job, step),
         ).fetchall():
             pending.add(int(first))
             pending.update(r for (r,) in RANK.iter_unpack(bytes(ranks)))
@@ -757,6 +790,7 @@ class CheckpointMixin:
                 out[int(ino)] = (int(size), bytes(blob))
         return out
 
+    @retried
     def expire(self, now_ns: int | None = None) -> list[tuple[str, int]]:
         """Abort every open step past its deadline; returns the (job, step) aborted."""
         now = now_ns if now_ns is not None else _now()
@@ -766,13 +800,17 @@ class CheckpointMixin:
             )
         if due is None:
             return []
+        done: list[tuple[str, int]] = []
         with self._ckpt_tx() as c:
             rows = self._x(
-                c,
-                "SELECT job, step, world_size FROM ckpt_steps WHERE state = ? AND deadline < ?",
-                (OPEN, now),
+                c, "SELECT job, step FROM ckpt_steps WHERE state = ? AND deadline < ?", (OPEN, now)
             ).fetchall()
-            for job, step, world in rows:
+            self._lock_steps(c, rows)
+            for job, step in rows:  # again, locked: another service may have ended it
+                state, world, *_, deadline = self._step(c, job, step)[:5]
+                if state != OPEN or deadline >= now:
+                    continue
+                done.append((job, step))
                 have = {
                     r[0]
                     for r in self._x(
@@ -781,7 +819,7 @@ class CheckpointMixin:
                 }
                 missing = [r for r in range(world) if r not in have]
                 self._abort(c, job, step, f"deadline passed; missing ranks {rank_ranges(missing)}")
-        return [(r[0], r[1]) for r in rows]
+        return done
 
 
 def rank_ranges(nums: list[int]) -> str:

@@ -30,10 +30,15 @@ from metadata.engine import (
     check_new_chunks,
 )
 from metadata.namespace import ATTR_COLS, attr_of
+from metadata.txlocks import CHUNK_GATE, retried
 
 
 def _now() -> int:
     return time.time_ns()
+
+
+def _chunk_key(ch: NewChunk) -> bytes:
+    return ch.chunk_id
 
 
 class ChunkRefMixin:
@@ -46,6 +51,10 @@ class ChunkRefMixin:
     _q: Any
     _blob: Any
     _chunk_seed: Any
+    _lock_inodes: Any
+    _lock_named: Any
+    _skip_locked: str
+    _for_update: str
 
     def _release_extents(self, c: Any, ino: int) -> None:
         """Drop the references of an inode's extents (the caller rewrites or deletes the inode)."""
@@ -69,17 +78,25 @@ class ChunkRefMixin:
 
     # -- pending references (the journal checkpoint commits write) -------------
     def _settle(self, c: Any) -> None:
-        """Apply every pending journal entry inside the caller's write transaction."""
+        """Apply every pending journal entry inside the caller's write transaction (on
+        PostgreSQL, after waiting for whoever is applying some of them: a row another
+        transaction applied and deleted meanwhile is no longer there to apply twice)."""
         if self._one(c, "SELECT 1 FROM ref_journal LIMIT 1") is not None:
             self._apply_journal(c, None)
 
-    def _apply_journal(self, c: Any, limit: int | None) -> int:
+    def _apply_journal(self, c: Any, limit: int | None, *, skip_locked: bool = False) -> int:
         """Register journalled new chunks and add their references, in bulk, sorted by id.
+
+        The rows read are locked (PostgreSQL: FOR UPDATE, or with `skip_locked` only the
+        ones nobody else is applying) and deleted by their exact ids, so two services
+        applying at once never apply a row twice, and a row committed meanwhile with an
+        id inside the range read is left for later, not deleted unapplied.
 
         `SELECT *`: a volume made before the `owned` column reads the same until its
         first checkpoint transaction adds it (`_ckpt_tx`)."""
-        sql = "SELECT * FROM ref_journal ORDER BY id"
-        cur = self._x(c, sql + (" LIMIT ?" if limit else ""), (limit,) if limit else ())
+        sql = "SELECT * FROM ref_journal ORDER BY id" + (" LIMIT ?" if limit else "")
+        sql += self._skip_locked if skip_locked else self._for_update
+        cur = self._x(c, sql, (limit,) if limit else ())
         col = {d[0]: k for k, d in enumerate(cur.description)}
         rows = cur.fetchall()
         if not rows:
@@ -113,9 +130,12 @@ class ChunkRefMixin:
             )
         self._adjust_refs(c, refs, settle=False)
         ids = [r[col["id"]] for r in rows]
-        self._x(c, "DELETE FROM ref_journal WHERE id >= ? AND id <= ?", (ids[0], ids[-1]))
+        for i in range(0, len(ids), 500):
+            part = ids[i : i + 500]
+            self._x(c, f"DELETE FROM ref_journal WHERE id IN ({','.join('?' * len(part))})", part)
         return len(rows)
 
+    @retried
     def apply_pending(self, limit: int | None = None) -> int:
         """Apply up to `limit` journal entries (all if None); returns how many remain.
 
@@ -125,8 +145,8 @@ class ChunkRefMixin:
         with self._read() as c:
             if self._one(c, "SELECT 1 FROM ref_journal LIMIT 1") is None:
                 return 0
-        with self._tx() as c:
-            self._apply_journal(c, limit)
+        with self._tx() as c:  # a slice takes rows no other service is applying
+            self._apply_journal(c, limit, skip_locked=limit is not None)
             return int(self._one(c, "SELECT COUNT(*) FROM ref_journal")[0])
 
     def pending_refs(self) -> int:
@@ -145,6 +165,7 @@ class ChunkRefMixin:
         with self._read() as c:
             return unpack_extents(self._blob(c, ino))
 
+    @retried
     def commit_file(
         self,
         ino: int,
@@ -156,6 +177,11 @@ class ChunkRefMixin:
         check_extents(extents, size)
         check_new_chunks(new_chunks, self._chunk_seed())
         with self._tx() as c:
+            # Takes references: no gc deletes a chunk row between the check that every
+            # referenced chunk exists and the commit (CHUNK_GATE), and no other commit of
+            # this file computes its reference changes from the same old extents.
+            self._lock_named(c, CHUNK_GATE, shared=True)
+            self._lock_inodes(c, (ino,))
             row = self._one(c, f"SELECT {ATTR_COLS}, extents FROM inodes WHERE ino = ?", (ino,))
             if row is None:
                 raise MetaError(errno.ENOENT, f"no inode {ino}")
@@ -192,6 +218,7 @@ class ChunkRefMixin:
         copies to choose between."""
         if not chunks:
             return
+        chunks = sorted(chunks, key=_chunk_key)  # rows locked in one order by every writer
         c.executemany(
             self._q(
                 "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched) "
@@ -217,6 +244,7 @@ class ChunkRefMixin:
         their bytes in the metadata), setting `also` with it. A row in any other state
         keeps it: an INLINE row never changes, a DURABLE one is never demoted."""
         if ids:
+            ids = sorted(ids)
             c.executemany(
                 self._q(
                     f"UPDATE chunks SET state = {state}{also} WHERE id = ? AND state = {STAGED}"
@@ -249,11 +277,12 @@ class ChunkRefMixin:
             )
         return set(ids) - found
 
+    @retried
     def missing_chunks(self, ids: list[bytes]) -> set[bytes]:
         ids = list(dict.fromkeys(ids))
         with self._tx() as c:
             missing = self._missing(c, ids)
-            present = [(_now(), cid) for cid in ids if cid not in missing]
+            present = [(_now(), cid) for cid in sorted(ids) if cid not in missing]
             if present:
                 c.executemany(
                     self._q("UPDATE chunks SET touched = ? WHERE id = ? AND refcount <= 0"), present
@@ -291,6 +320,7 @@ class ChunkRefMixin:
                     out[bytes(r[0])] = data
         return out
 
+    @retried
     def mark_durable(self, ids: list[bytes], stored_lens: list[int] | None = None) -> None:
         """STAGED chunks are on their nodes now. Only STAGED ones change: an INLINE row
         stays INLINE even if some host also uploaded those bytes (a writer that staged the
@@ -301,7 +331,7 @@ class ChunkRefMixin:
             if stored_lens is not None:  # compressed at upload: the size on the nodes
                 c.executemany(
                     self._q(f"UPDATE chunks SET stored_len = ? WHERE id = ? AND state = {STAGED}"),
-                    [(n, i) for i, n in zip(ids, stored_lens, strict=True) if n > 0],
+                    [(n, i) for i, n in sorted(zip(ids, stored_lens, strict=True)) if n > 0],
                 )
             self._from_staged(c, ids, DURABLE)
 

@@ -25,6 +25,7 @@ from metadata.engine import (
     check_name,
     check_u32,
 )
+from metadata.txlocks import RENAME_LOCK, retried
 
 ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation, alloc"
 _LOOKUP_SQL = (
@@ -64,6 +65,8 @@ class NamespaceMixin:
     _alloc_one_ino: Any
     _adjust_refs: Any
     _release_extents: Any
+    _lock_inodes: Any
+    _lock_named: Any
 
     def _lookup(self, c: Any, parent: int, name: bytes) -> Attr:
         row = self._one(c, _LOOKUP_SQL, (parent, name))
@@ -108,6 +111,7 @@ class NamespaceMixin:
         with self._read() as c:
             return self._getattr(c, ino)
 
+    @retried
     def create(
         self,
         parent: int,
@@ -137,6 +141,7 @@ class NamespaceMixin:
         if len(target) > 4096:
             raise MetaError(errno.ENAMETOOLONG, "symlink target longer than 4096 bytes")
         with self._tx() as c:
+            self._lock_inodes(c, (parent,))
             d = self._dir(c, parent)
             ino = self._alloc_one_ino(c)
             entry = self._x(
@@ -165,34 +170,39 @@ class NamespaceMixin:
             self._touch_dir(c, parent, 1 if kind == stat.S_IFDIR else 0)
             return Attr(*row)  # what the row holds: no need to read it back
 
+    @retried
     def link(self, ino: int, new_parent: int, new_name: bytes) -> Attr:
         check_name(new_name)
         with self._tx() as c:
+            self._lock_inodes(c, (new_parent,))  # the directory, then the file
+            self._lock_inodes(c, (ino,))
             a = self._getattr(c, ino)
             if a.is_dir:
                 raise MetaError(errno.EPERM, "hard links to directories are not allowed")
             if a.nlink == 0:
                 raise MetaError(errno.ENOENT, "cannot link an unlinked inode")
             self._dir(c, new_parent)
-            if self._one(
-                c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", (new_parent, new_name)
-            ):
-                raise MetaError(errno.EEXIST, f"{new_name!r} exists")
-            self._x(
+            entry = self._x(
                 c,
-                "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)",
+                "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?) "
+                "ON CONFLICT (parent, name) DO NOTHING",
                 (new_parent, new_name, ino),
             )
+            if entry.rowcount != 1:
+                raise MetaError(errno.EEXIST, f"{new_name!r} exists")
             self._x(
                 c, "UPDATE inodes SET nlink = nlink + 1, ctime = ? WHERE ino = ?", (_now(), ino)
             )
             self._touch_dir(c, new_parent)
             return self._getattr(c, ino)
 
+    @retried
     def unlink(self, parent: int, name: bytes) -> Attr:
         check_name(name)
         with self._tx() as c:
+            self._lock_inodes(c, (parent,))  # the directory, then the entry's inode
             a = self._lookup(c, parent, name)
+            self._lock_inodes(c, (a.ino,))
             if a.is_dir:
                 raise MetaError(errno.EISDIR, f"{name!r} is a directory")
             self._x(c, "DELETE FROM dentries WHERE parent = ? AND name = ?", (parent, name))
@@ -202,10 +212,13 @@ class NamespaceMixin:
             self._touch_dir(c, parent)
             return self._getattr(c, a.ino)
 
+    @retried
     def rmdir(self, parent: int, name: bytes, *, keep: bool = False) -> Attr:
         check_name(name)
         with self._tx() as c:
+            self._lock_inodes(c, (parent,))  # the directory, then the one removed from it
             a = self._lookup(c, parent, name)
+            self._lock_inodes(c, (a.ino,))  # no entry is made in it from now on
             if not a.is_dir:
                 raise MetaError(errno.ENOTDIR, f"{name!r} is not a directory")
             if self._one(c, "SELECT 1 FROM dentries WHERE parent = ? LIMIT 1", (a.ino,)):
@@ -240,6 +253,7 @@ class NamespaceMixin:
             if seen > 100_000:
                 raise MetaError(errno.ELOOP, "directory tree loop")
 
+    @retried
     def rename(
         self,
         parent: int,
@@ -254,13 +268,23 @@ class NamespaceMixin:
         check_name(new_name)
         if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE):
             raise MetaError(errno.EINVAL, f"unsupported rename flags {flags:#x}")
+        moves_dirs = parent != new_parent  # ... and what moves is a directory: see below
         with self._tx() as c:
             src = self._lookup(c, parent, name)
+            if moves_dirs and (src.is_dir or flags & RENAME_EXCHANGE):
+                # One directory changes parents at a time, so the ancestry check below
+                # sees a tree no other transaction is rearranging: no cycle can form.
+                self._lock_named(c, RENAME_LOCK)
+            self._lock_inodes(c, (parent, new_parent))  # both directories, then the inodes
+            src = self._lookup(c, parent, name)  # again: it may have changed before the lock
+            if moves_dirs and src.is_dir:
+                self._lock_named(c, RENAME_LOCK)  # held already unless src just changed
             self._dir(c, new_parent)
             try:
                 dst: Attr | None = self._lookup(c, new_parent, new_name)
             except MetaError:
                 dst = None
+            self._lock_inodes(c, (src.ino,) if dst is None else (src.ino, dst.ino))
             if src.is_dir and self._is_ancestor(c, src.ino, new_parent):
                 raise MetaError(errno.EINVAL, "cannot move a directory into itself")
             if flags & RENAME_EXCHANGE:
@@ -344,6 +368,7 @@ class NamespaceMixin:
             ).fetchall()
         return [DirEntry(bytes(r[1]), attr_of(r[2:]), r[0]) for r in rows]
 
+    @retried
     def setattr(
         self,
         ino: int,
@@ -366,6 +391,7 @@ class NamespaceMixin:
             if t is not None and not -(2**63) <= t < 2**63:  # years 1677-2262
                 raise MetaError(errno.EOVERFLOW, "time out of the range a volume keeps")
         with self._tx() as c:
+            self._lock_inodes(c, (ino,))
             a = self._getattr(c, ino)
             now = _now()
             if mode is not None:
@@ -450,13 +476,17 @@ class NamespaceMixin:
             raise MetaError(errno.EINVAL, "not a symlink")
         return bytes(row[1])
 
+    @retried
     def forget_orphan(self, ino: int) -> None:
         with self._tx() as c:
+            self._lock_inodes(c, (ino,))
             self._drop_inode_if_orphan(c, ino)
 
+    @retried
     def purge_orphans(self) -> int:
         with self._tx() as c:
             inos = [r[0] for r in self._x(c, "SELECT ino FROM inodes WHERE nlink <= 0").fetchall()]
+            self._lock_inodes(c, inos)  # _drop_inode_if_orphan reads each one again
             for ino in inos:
                 self._drop_inode_if_orphan(c, ino)
         return len(inos)
@@ -469,6 +499,7 @@ class NamespaceMixin:
             raise MetaError(errno.ENODATA, f"no attribute {name!r}")
         return bytes(row[0])
 
+    @retried
     def set_xattr(self, ino: int, name: bytes, value: bytes) -> None:
         check_blob(name, "attribute name")
         check_blob(value, "attribute value")
@@ -477,6 +508,7 @@ class NamespaceMixin:
         if len(value) > XATTR_MAX:
             raise MetaError(errno.E2BIG, f"attribute value over {XATTR_MAX} bytes")
         with self._tx() as c:
+            self._lock_inodes(c, (ino,))  # not deleted meanwhile (its xattrs go with it)
             self._getattr(c, ino)
             self._x(
                 c,
@@ -491,8 +523,10 @@ class NamespaceMixin:
             rows = self._x(c, "SELECT name FROM xattrs WHERE ino = ? ORDER BY name", (ino,))
             return [bytes(r[0]) for r in rows.fetchall()]
 
+    @retried
     def remove_xattr(self, ino: int, name: bytes) -> None:
         with self._tx() as c:
+            self._lock_inodes(c, (ino,))
             cur = self._x(c, "DELETE FROM xattrs WHERE ino = ? AND name = ?", (ino, name))
             if cur.rowcount == 0:
                 raise MetaError(errno.ENODATA, f"no attribute {name!r}")

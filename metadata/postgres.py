@@ -23,8 +23,7 @@ import psycopg
 from metadata.engine import MetaError
 from metadata.sqlbase import SqlEngine
 from metadata.sqlite import SCHEMA
-
-WRITE_LOCK = 0x636B7074  # "ckpt": the advisory lock key all writers share
+from metadata.txlocks import lock_key
 
 _RESERVED = re.compile(
     r'(?<!")\boffset\b(?!")'
@@ -117,15 +116,31 @@ class PostgresEngine(SqlEngine):
                 self._qcache[sql] = out
         return out
 
+    # -- locks (see the module docstring) -------------------------------------------
+    _retryable = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+    _skip_locked = " FOR UPDATE SKIP LOCKED"
+    _for_update = " FOR UPDATE"
+
+    def _lock_inodes(self, c: Any, inos: Any) -> None:
+        want = sorted(set(inos))
+        if want:  # rows are locked in the ORDER BY's order: one order for every writer
+            c.execute(
+                "SELECT ino FROM inodes WHERE ino = ANY(%s) ORDER BY ino FOR UPDATE", (want,)
+            ).fetchall()
+
+    def _lock_steps(self, c: Any, keys: Any) -> None:
+        want = sorted({lock_key("step", job, step) for job, step in keys})
+        if want:  # an advisory lock: a step being begun has no row to lock yet
+            c.execute(
+                "SELECT pg_advisory_xact_lock(k) FROM unnest(%s::bigint[]) AS k", (want,)
+            ).fetchall()
+
+    def _lock_named(self, c: Any, name: str, *, shared: bool = False) -> None:
+        fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+        c.execute(f"SELECT {fn}(%s)", (lock_key("lock", name),)).fetchall()
+
     def _begin(self) -> None:
-        conn = self._conn.conn
-        conn.execute("BEGIN")
-        try:  # writers are serialized across services, as SQLite serializes them
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
-        except BaseException:
-            if not conn.closed:
-                conn.execute("ROLLBACK")
-            raise
+        self._conn.conn.execute("BEGIN")
 
     def _end(self, *, commit: bool) -> None:
         conn = self._conn.conn

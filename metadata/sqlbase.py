@@ -30,6 +30,7 @@ from metadata.engine import (
 from metadata.maintenance import MaintenanceMixin
 from metadata.namespace import ATTR_COLS, NamespaceMixin, attr_of
 from metadata.retention import RetentionMixin
+from metadata.txlocks import SCHEMA_LOCK
 
 INO_HWM = "ino_hwm"  # config key: the highest inode number ever handed out
 INO_BLOCK = 256  # inode numbers a connection reserves at once for creates
@@ -78,6 +79,8 @@ class SqlEngine(
         `_begin`/`_end`; PostgreSQL commits are always durable."""
         with self._lock:
             if self._depth:
+                if self._owner != threading.get_ident():  # never: _lock is held
+                    raise RuntimeError("transaction state of another thread")
                 self._depth += 1
                 self._want_durable = _stronger(self._want_durable, durable)
                 try:
@@ -88,14 +91,17 @@ class SqlEngine(
             self._want_durable = durable
             self._begin()
             self._depth = 1
+            self._owner = threading.get_ident()
             try:
                 yield self._conn
             except BaseException:
                 self._depth = 0
+                self._owner = None
                 self._ino_block = None  # its high-water mark may be rolled back with it
                 self._end(commit=False)
                 raise
             self._depth = 0
+            self._owner = None
             try:
                 self._end(commit=True)
             except BaseException:
@@ -103,6 +109,29 @@ class SqlEngine(
                 raise
 
     _want_durable: bool | str = False
+    _owner: int | None = None  # the thread whose transaction is open
+
+    def _in_tx(self) -> bool:
+        """Is the calling thread inside a write transaction of this engine?"""
+        return self._owner == threading.get_ident()
+
+    # -- locks ---------------------------------------------------------------
+    # SQLite's BEGIN IMMEDIATE serializes every writer, so these are no-ops there;
+    # PostgreSQL overrides them (see the docstring of metadata/postgres.py for what each
+    # protects and the order they are taken in).
+    _retryable: tuple[type[BaseException], ...] = ()  # conflicts `txretry.retried` reruns
+    _skip_locked = ""  # appended to a journal read that takes only rows nobody holds
+    _for_update = ""  # appended to a read whose rows the transaction then changes
+
+    def _lock_inodes(self, c: Any, inos: Any) -> None:
+        """Hold these inodes' rows until the transaction ends (a directory: its entries
+        too, since every change of an entry locks its directory first)."""
+
+    def _lock_steps(self, c: Any, keys: Any) -> None:
+        """Hold these (job, step) checkpoints until the transaction ends."""
+
+    def _lock_named(self, c: Any, name: str, *, shared: bool = False) -> None:
+        """Hold a named lock (RENAME_LOCK, CHUNK_GATE, SCHEMA_LOCK) until the end."""
 
     def _durable_point(self) -> None:
         """Make every commit so far survive a power cut (after a durable="lazy" commit
@@ -154,6 +183,7 @@ class SqlEngine(
             tables = [t for t in self.TABLES_ADDED if not self._has(c, t, "*")]
         if todo or tables:
             with self._tx() as c:
+                self._lock_named(c, SCHEMA_LOCK)
                 for table, cols in todo.items():
                     self._add_columns(c, table, cols)
                 for table in tables:  # IF NOT EXISTS: another process may have made it
@@ -186,6 +216,7 @@ class SqlEngine(
 
     def init_volume(self, config: dict) -> None:
         with self._tx() as c:
+            self._lock_named(c, SCHEMA_LOCK)
             for stmt in self._ddl():
                 self._x(c, stmt)
             if self._one(c, "SELECT value FROM config WHERE key = 'volume'"):
