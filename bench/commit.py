@@ -147,7 +147,7 @@ def job_worker(
         times[step] = (t0, time.time(), state)
         if k == 0:
             out.put(("serial", job, times[step]))
-    out.put(("done", job, times, getattr(client, "failovers", 0)))
+    out.put(("done", job, times, client.failovers))
     client.close()
 
 

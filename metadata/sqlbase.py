@@ -29,6 +29,7 @@ from metadata.engine import (
 )
 from metadata.maintenance import MaintenanceMixin
 from metadata.namespace import ATTR_COLS, NamespaceMixin, attr_of
+from metadata.requests import RequestMixin
 from metadata.retention import RetentionMixin
 from metadata.txlocks import SCHEMA_LOCK
 
@@ -49,6 +50,7 @@ class SqlEngine(
     CheckpointMixin,
     CheckpointQueryMixin,
     MaintenanceMixin,
+    RequestMixin,
     MetaEngine,
 ):
     """Subclasses set `self._conn` and implement `_ddl`, `_begin` and `_q`."""
