@@ -432,6 +432,11 @@ class MetaEngine(ABC):
         """Make every commit so far survive a power cut, not only a killed process (a
         file's fsync on the mount: commits are otherwise lazily synced)."""
 
+    def claim_service(self) -> None:  # noqa: B027 - optional
+        """Called by a service before it serves this engine: refuse (MetaError) if this
+        engine cannot be shared with another service (an embedded SQLite volume runs
+        one). Shared databases (PostgreSQL) claim nothing."""
+
     def close(self) -> None:  # noqa: B027 - optional
         pass
 

@@ -257,6 +257,7 @@ class MetaService:
         max_frame: int = MAX_FRAME,
         threads: int = 8,
     ) -> None:
+        engine.claim_service()  # a SQLite volume: refused if another service runs on it
         self.engine = engine
         self._token = token.encode()
         self.base_dir = base_dir

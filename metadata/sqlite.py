@@ -14,12 +14,15 @@ next ordinary write (in the service, the idle journal apply) does it.
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import os
 import sqlite3
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from metadata.engine import MetaError
 from metadata.sqlbase import SqlEngine
 
 SCHEMA = [
@@ -269,6 +272,40 @@ class SqliteEngine(SqlEngine):
         finally:
             os.close(fd)
 
+    _service_fd: int | None = None
+
+    def claim_service(self) -> None:
+        """Be the one service of this volume, or refuse with a clear error (EBUSY).
+
+        Replicas share a namespace through a database server's locks; an embedded SQLite
+        file has none to share across hosts, and two services on it would each keep
+        their own view of what is being committed. The service holds an exclusive flock
+        on a file beside the database while it runs: the kernel drops it when the
+        process exits, however it exits (SIGKILL included), so a crash never leaves a
+        stale lock. The file says which process holds it, for the message."""
+        lock = self.path + ".service.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o660)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise MetaError(
+                errno.EBUSY,
+                f"{os.path.dirname(os.path.abspath(self.path))} is already served by "
+                f"`ckptfs meta serve` (pid {holder}): a SQLite volume runs one service; "
+                "run replicas on PostgreSQL (`ckptfs format --db postgresql://...`)",
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._service_fd = fd
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+            if self._service_fd is not None:  # closing the file lets go of the flock
+                os.close(self._service_fd)
+                self._service_fd = None
