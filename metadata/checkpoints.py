@@ -126,12 +126,17 @@ class CheckpointMixin:
         """A durable write transaction: checkpoint outcomes are acknowledged to ranks."""
         if not self._ckpt_ready:
             with self._tx() as c:
-                self._lock_named(c, SCHEMA_LOCK)
-                for stmt in self._ckpt_ddl():
-                    self._x(c, stmt)
-                # the journal columns a volume made before them lacks (commits write
-                # them; `_apply_journal` reads either layout, so nothing waits)
-                self._add_columns(c, "ref_journal", JOURNAL_COLUMNS)
+                # DDL only when something is missing: its lock would make this first
+                # transaction wait for every other writer's (PostgreSQL)
+                if not all(self._has(c, t, "*") for t in ("ckpt_steps", "ckpt_ranks")) or not all(
+                    self._has(c, "ref_journal", col) for col in JOURNAL_COLUMNS
+                ):
+                    self._lock_named(c, SCHEMA_LOCK)
+                    for stmt in self._ckpt_ddl():
+                        self._x(c, stmt)
+                    # the journal columns a volume made before them lacks (commits write
+                    # them; `_apply_journal` reads either layout, so nothing waits)
+                    self._add_columns(c, "ref_journal", JOURNAL_COLUMNS)
             self._ckpt_ready = True
         return self._tx(durable=durable)
 

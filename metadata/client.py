@@ -409,17 +409,22 @@ class RemoteEngine(MetaEngine):
                 rid, code, payload = msg
                 if rid == 0:  # the service rejected our stream
                     raise ProtocolError(f"service: {payload}")
-                with self._lock:
-                    p = self._pending.pop(rid, None)
-                if p is None or p.future.done():
-                    continue
-                if code:
-                    p.future.set_exception(MetaError(code, str(payload)))
-                else:
-                    try:
-                        p.future.set_result(_result_fix(p.method, payload))
-                    except Exception as e:  # noqa: BLE001 - deliver, don't kill the reader
-                        p.future.set_exception(e)
+                self._on_answer(rid, code, payload)
+
+    def _on_answer(self, rid: int, code: int, payload: Any) -> None:
+        """Hand the answer of request `rid` to its caller. (Tests override this to lose an
+        answer: raising OSError here breaks the connection with the request pending.)"""
+        with self._lock:
+            p = self._pending.pop(rid, None)
+        if p is None or p.future.done():
+            return
+        if code:
+            p.future.set_exception(MetaError(code, str(payload)))
+        else:
+            try:
+                p.future.set_result(_result_fix(p.method, payload))
+            except Exception as e:  # noqa: BLE001 - deliver, don't kill the reader
+                p.future.set_exception(e)
 
     def _expire_all(self, cause: MetaError) -> None:
         self._expire_pending(time.monotonic(), cause)

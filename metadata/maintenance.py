@@ -31,6 +31,9 @@ class MaintenanceMixin:
     def _ensure_ur(self, c: Any) -> None:
         if self._ur_ready:
             return
+        if self._has(c, "under_replicated", "*"):  # type: ignore[attr-defined]
+            self._ur_ready = True  # no DDL, and no lock to wait for
+            return
         self._lock_named(c, SCHEMA_LOCK)  # type: ignore[attr-defined]
         self._x(  # type: ignore[attr-defined]
             c,

@@ -66,14 +66,16 @@ class RequestMixin:
     _one: Any
     _lock_named: Any
     _blob_type: Any
+    _has: Any
     _req_ready = False
 
     def _ensure_requests(self, c: Any) -> None:
         """The table, made on first use (volumes made before it need no migration)."""
         if not self._req_ready:
-            self._lock_named(c, SCHEMA_LOCK)
-            for stmt in _DDL:
-                self._x(c, stmt.format(blob=self._blob_type()))
+            if not self._has(c, "requests", "*"):  # else no DDL, and no lock to wait for
+                self._lock_named(c, SCHEMA_LOCK)
+                for stmt in _DDL:
+                    self._x(c, stmt.format(blob=self._blob_type()))
             self._req_ready = True
 
     @retried
