@@ -20,13 +20,15 @@ With --jobs J (J > 1) or --meta-replicas R (R > 1) it measures instead whether
 independent jobs commit side by side: J jobs of N ranks each (one load-generator
 process per job, its connection on replica j mod R of R services sharing one
 PostgreSQL database) commit one job after another, then all at once, in the
-same run:
+same run (after a warm-up step all at once; --rounds rounds, alternating which
+of the two comes first; the round with the median ratio is reported):
 
   serial_ms             sum over jobs of (first commit sent -> step published)
   concurrent_ms         all jobs sent at one barrier -> the last step published
   concurrent_vs_serial  concurrent_ms / serial_ms (target <= 0.75: writers of
                         different checkpoints do not queue behind one lock)
   serial_publish_ms, concurrent_publish_ms  each job's own publish time
+  rounds_concurrent_vs_serial  every round's ratio
   failovers             client failovers counted (0 unless a replica died)
 
 Usage: python -m bench.commit --ranks 4096 [--engine sqlite|postgres|both] [--tls]
@@ -121,38 +123,41 @@ def worker(url: str, job: str, step: int, ranks: list[int], barrier, out) -> Non
     out.put({"base": base[:2], "latest": latest[:2], "commit": commit, "manifest": man[:2]})
 
 
-def job_worker(
-    url: str, job: str, steps: tuple[int, int], ranks: int, go_serial, barrier, out
-) -> None:
-    """One job's ranks, pipelined on one connection: the serial step when `go_serial` is
-    set, then the concurrent step at the barrier every job waits at."""
+def job_worker(url: str, job: str, steps: list[int], ranks: int, cmds, barrier, out) -> None:
+    """One job's ranks, pipelined on one connection. Every step's commits are encoded
+    first; then, per command ("alone" or "together", step), the step's commits are sent
+    at once (together: after the barrier every job waits at) and the time from the first
+    send to the step's publish is reported."""
     from metadata.client import connect
 
     client = connect(url)
     host = f"bench-{os.getpid()}"
-    phases = []
-    for step in steps:
-        payload = [("commit_rank", (job, step, r, rank_files(r)), {"host": host})
-                   for r in range(ranks)]  # fmt: skip
-        phases.append((step, client.encode_many(payload)))
-    barrier.wait()  # payloads built
-    times = {}
-    for k, (step, calls) in enumerate(phases):
-        if k == 0:
-            go_serial.wait()
-        else:
+    encoded = {
+        step: client.encode_many(
+            [("commit_rank", (job, step, r, rank_files(r)), {"host": host}) for r in range(ranks)]
+        )
+        for step in steps
+    }
+    out.put(("ready", job))
+    while True:
+        cmd = cmds.get()
+        if cmd is None:
+            break
+        how, step = cmd
+        if how == "together":
             barrier.wait()
-        t0, _, _ = _pipelined(client, calls)
+        t0, _, _ = _pipelined(client, encoded.pop(step))
         state = client.wait_published(job, step, 600)["state"]
-        times[step] = (t0, time.time(), state)
-        if k == 0:
-            out.put(("serial", job, times[step]))
-    out.put(("done", job, times, client.failovers))
+        out.put(("done", job, step, t0, time.time(), state, client.failovers))
     client.close()
 
 
-def run_jobs(engine: str, n: int, jobs: int, replicas: int, tmp: str, tls: bool = False) -> dict:
-    """`jobs` jobs of `n` ranks, one after another, then all at once (module docstring)."""
+def run_jobs(
+    engine: str, n: int, jobs: int, replicas: int, tmp: str, tls: bool = False, rounds: int = 3
+) -> dict:
+    """`jobs` jobs of `n` ranks, one after another, then all at once (module docstring):
+    a warm-up step all at once, then `rounds` rounds of both, alternating which comes
+    first; the median round's ratio is reported, every round's beside it."""
     from fusefs.volume import Volume
     from metadata.client import connect
     from tests.fixtures.postgres import PgCluster, pg_available
@@ -172,54 +177,85 @@ def run_jobs(engine: str, n: int, jobs: int, replicas: int, tmp: str, tls: bool 
     vol_dir = os.path.join(tmp, f"vol-{engine}")
     Volume.create(vol_dir, nodes=2, db=db).close()
     cert = self_signed(tmp) if tls else None
-    servers = []
+    servers: list = []
+    ps: list = []
+    names = [f"job{j}" for j in range(jobs)]
+    steps = list(range(1 + 2 * rounds))  # step 0: the warm-up
+    times: dict[tuple[str, int], tuple[float, float, str]] = {}
+    failovers = dict.fromkeys(names, 0)
     try:
         servers = [MetaServer(vol_dir, db=db, tls=cert) for _ in range(replicas)]
-        names = [f"job{j}" for j in range(jobs)]
-        steps = (1, 2)  # the serial phase's step, the concurrent phase's
         main = connect(servers[0].url)
         for job in names:
             for step in steps:
-                main.begin(job, step, n, deadline_s=600)
+                main.begin(job, step, n, deadline_s=3600)
+        main.close()
         ctx = mp.get_context("spawn")
-        barrier = ctx.Barrier(jobs + 1)
+        barrier = ctx.Barrier(jobs)
         out = ctx.Queue()
-        go = [ctx.Event() for _ in names]
+        cmds = [ctx.Queue() for _ in names]
         ps = [
             ctx.Process(target=job_worker, args=(servers[j % replicas].url, job, steps, n,
-                                                 go[j], barrier, out))
+                                                 cmds[j], barrier, out))
             for j, job in enumerate(names)
         ]  # fmt: skip
         for p in ps:
             p.start()
-        barrier.wait()  # payloads built
-        for j, job in enumerate(names):  # serial: each job alone, the next when it published
-            go[j].set()
-            msg = out.get(timeout=600)
-            assert msg[:2] == ("serial", job), msg
-        barrier.wait()  # concurrent: every job at once
-        done = [out.get(timeout=600) for _ in ps]
+        for _ in ps:
+            assert out.get(timeout=600)[0] == "ready"
+
+        def phase(how: str, step: int) -> None:
+            for j in range(jobs) if how == "together" else []:
+                cmds[j].put((how, step))
+            for j in range(jobs):
+                if how == "alone":  # the next job starts when this one published
+                    cmds[j].put((how, step))
+                msg = out.get(timeout=600)
+                _, job, st, t0, t1, state, fo = msg
+                times[(job, st)] = (t0, t1, state)
+                failovers[job] = fo
+
+        phase("together", 0)  # warm-up: plans, caches and connections of every replica
+        for k in range(rounds):
+            alone, together = 1 + 2 * k, 2 + 2 * k
+            order = [("alone", alone), ("together", together)]
+            for how, step in order if k % 2 == 0 else order[::-1]:
+                phase(how, step)
+        for q in cmds:
+            q.put(None)
         for p in ps:
             p.join(timeout=60)
-        main.close()
     finally:
+        for p in ps:
+            if p.is_alive():
+                p.kill()
         for s in servers:
             s.stop()
         if cluster:
             cluster.stop()
-    serial = [d[2][steps[0]] for d in done]
-    conc = [d[2][steps[1]] for d in done]
-    serial_ms = sum(t1 - t0 for t0, t1, _ in serial) * 1e3
-    conc_ms = (max(t1 for _, t1, _ in conc) - min(t0 for t0, _, _ in conc)) * 1e3
+    per_round = []
+    for k in range(rounds):
+        alone = [times[(job, 1 + 2 * k)] for job in names]
+        together = [times[(job, 2 + 2 * k)] for job in names]
+        serial_ms = sum(t1 - t0 for t0, t1, _ in alone) * 1e3
+        conc_ms = (max(t[1] for t in together) - min(t[0] for t in together)) * 1e3
+        per_round.append(
+            {
+                "serial_ms": round(serial_ms, 1),
+                "concurrent_ms": round(conc_ms, 1),
+                "concurrent_vs_serial": round(conc_ms / serial_ms, 3),
+                "serial_publish_ms": [round((t1 - t0) * 1e3, 1) for t0, t1, _ in alone],
+                "concurrent_publish_ms": [round((t1 - t0) * 1e3, 1) for t0, t1, _ in together],
+            }
+        )
+    median = sorted(per_round, key=lambda r: r["concurrent_vs_serial"])[rounds // 2]
     return {
         **head,
-        "states": sorted({st for _, _, st in serial + conc}),
-        "serial_ms": round(serial_ms, 1),
-        "concurrent_ms": round(conc_ms, 1),
-        "concurrent_vs_serial": round(conc_ms / serial_ms, 3) if serial_ms else None,
-        "serial_publish_ms": [round((t1 - t0) * 1e3, 1) for t0, t1, _ in serial],
-        "concurrent_publish_ms": [round((t1 - t0) * 1e3, 1) for t0, t1, _ in conc],
-        "failovers": sum(d[3] for d in done),
+        "rounds": rounds,
+        "states": sorted({st for _, _, st in times.values()}),
+        **median,
+        "rounds_concurrent_vs_serial": [r["concurrent_vs_serial"] for r in per_round],
+        "failovers": sum(failovers.values()),
         "extents": jobs * n * FILES * EXTENTS,
     }
 
@@ -315,16 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tls", action="store_true", help="the service speaks TLS")
     ap.add_argument("--jobs", type=int, default=1, help="jobs of --ranks ranks each")
     ap.add_argument("--meta-replicas", type=int, default=1, help="services on one database")
+    ap.add_argument("--rounds", type=int, default=3, help="with --jobs: serial/concurrent rounds")
     args = ap.parse_args(argv)
-    if args.ranks < 1 or args.jobs < 1 or args.meta_replicas < 1 or args.procs < 1:
-        ap.error("--ranks, --jobs, --meta-replicas and --procs must be at least 1")
+    if min(args.ranks, args.jobs, args.meta_replicas, args.procs, args.rounds) < 1:
+        ap.error("--ranks, --jobs, --meta-replicas, --procs and --rounds must be at least 1")
     engines = ["sqlite", "postgres"] if args.engine == "both" else [args.engine]
     multi = args.jobs > 1 or args.meta_replicas > 1
     tmp = tempfile.mkdtemp(prefix="ckptfs-bench-commit-")
     try:
         procs = min(args.procs, args.ranks)
         results = {
-            e: run_jobs(e, args.ranks, args.jobs, args.meta_replicas, tmp, args.tls)
+            e: run_jobs(e, args.ranks, args.jobs, args.meta_replicas, tmp, args.tls, args.rounds)
             if multi
             else run(e, args.ranks, procs, tmp, args.tls)
             for e in engines
