@@ -1,11 +1,71 @@
 """The PostgreSQL engine (psycopg 3): the same SQL as SQLite, for shared namespaces.
 
-Several services may run on one database. Every write transaction first takes
-one transaction-scoped advisory lock, so writers are serialized exactly as
-SQLite's BEGIN IMMEDIATE serializes them: the read-check-write sequences in
-sqlbase stay correct without per-statement retry logic, whichever service
-runs them. Reads run outside that lock (autocommit), so they never wait on a
-writer.
+Several `ckptfs meta serve` replicas may run on one database, each with one
+connection, and their writers do not queue behind one lock: writers of
+different checkpoints, and of unrelated parts of the namespace, run side by
+side. Transactions run at READ COMMITTED, so every statement sees each
+transaction committed before it started: a statement after a lock was granted
+sees everything the lock's previous holder wrote. Reads run outside write
+transactions (autocommit) and never wait for a writer.
+
+Locks, in the order a transaction takes them (SQLite's BEGIN IMMEDIATE
+serializes every writer, so sqlbase's lock hooks do nothing there):
+
+1. RENAME_LOCK (advisory): a rename that moves a directory to another parent.
+2. Step locks (advisory, one per (job, step), taken sorted): begin, a group
+   commit (every step in the batch), publish (inside the last commit), abort,
+   expire, delete_checkpoint. Advisory, since a step being begun has no row yet.
+3. CHUNK_GATE (advisory): shared by transactions that take chunk references
+   (commit_file, group commits); exclusive for those that delete chunk rows or
+   set counts (gc_chunk_rows, fsck's drop/fix/register/true_refcounts).
+4. Inode rows (SELECT ... FOR UPDATE, sorted), parents before children: the
+   directory whose entries change (create, link, unlink, rmdir, rename, publish,
+   delete_checkpoint), then the inode whose links, attributes, extents or
+   xattrs change.
+5. Chunk and journal rows, in id order (the row locks of relative UPDATEs and
+   upserts; journal rows read FOR UPDATE, or SKIP LOCKED by background slices).
+SCHEMA_LOCK (advisory) guards DDL, taken only when a table is missing.
+
+A transaction that cannot know every row up front (a rename learns what it
+replaces by looking) may still meet another in a cycle: PostgreSQL rolls one
+back (deadlock, 40P01; likewise serialization failures, 40001) and
+`txlocks.retried` runs that whole method again.
+
+Why each invariant still holds:
+- Unique names in a directory: UNIQUE (parent, name) on `dentries`; every insert
+  of a name is ON CONFLICT DO NOTHING and answers EEXIST, never a second entry.
+  Whoever changes a directory's entries holds its row, so check-then-act on a
+  name (rename over a target, rmdir's "empty?", publish's "free?") is not raced,
+  and nothing is made in a directory being removed (create, link and publish
+  check nlink > 0 after taking the directory's row).
+- Rename is atomic and makes no cycle: one transaction holding both parents and
+  the inodes moved or replaced. A directory changing parents holds RENAME_LOCK
+  while it checks that the target is not inside it, so no other directory
+  changes parents meanwhile (Linux's s_vfs_rename_mutex); other writers only
+  add new leaves (create, a step's hidden tree, publish) or remove subtrees.
+- Link counts: changed relatively (nlink = nlink +/- 1) under the inode's row
+  lock; the checks that depend on them (link of an unlinked inode, an orphan
+  dropped at 0, the links left outside a deleted step) run after that lock.
+- Chunk refcounts: every change is relative (refcount = refcount + d) in an
+  UPDATE or upsert, so concurrent writers add up. A file's old extents, whose
+  references a commit drops, are read under the file's row lock. Journal rows
+  are locked when read and deleted by their exact ids: applied once even with
+  two services applying, never deleted unapplied; abort locks its step's rows
+  (applied meanwhile = gone = counted as applied).
+- gc never deletes a referenced chunk: gc holds CHUNK_GATE exclusively, so no
+  transaction taking references is in flight while it applies the journal and
+  reads counts and extents. A commit checks that the chunks it references exist
+  after taking the gate (shared): one gc deleted before is reported (the writer
+  stores it again), one it saw cannot be deleted before it commits. The grace
+  period (missing_chunks touches) keeps working as before.
+- A checkpoint is published once, with all ranks, or aborted: every transaction
+  that writes a step holds its step lock, so the count that triggers the publish
+  (in the last commit's transaction) counts every committed rank, and publish,
+  abort and the deadline see one state; expire re-reads the state once locked.
+- A double commit is rejected: the rank's record (PRIMARY KEY (job, step,
+  rank)) is checked and written under the step lock: the same content answers
+  as a duplicate, other content EEXIST.
+- A request retried on another replica is applied once: requests.py.
 
 The schema is SQLite's, translated mechanically (BLOB -> BYTEA, INTEGER ->
 BIGINT, rowid keys -> identity columns), so the engines cannot drift apart.
