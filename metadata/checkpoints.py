@@ -28,18 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from metadata.ckptcheck import (
-    BATCH_CHECK_MIN,
-    MAX_WORLD,
-    _digest,
-    _norm_files,
-    _prepare_columns,
-    _rank_parts,
-    _SlowPath,
-    check_int,
-    check_job,
-    split_rel,
-)
+from metadata.ckptcheck import MAX_WORLD, check_int, check_job, prepare_commits, split_rel
 from metadata.ckptformat import (
     CHK,
     EXT,
@@ -264,34 +253,8 @@ class CheckpointMixin:
     def prepare_commits(self, items: list[tuple]) -> tuple[list[Any], list[tuple]]:
         """Validate a group commit without touching the database: (outcomes so far, the
         valid commits). Pure CPU work, so the service runs it for the next batch while
-        the previous one is being written. A big batch of typed commits is checked
-        column by column (`_prepare_columns`); if anything in it looks wrong, or for a
-        small batch, each rank is checked alone, so every rank gets the error it would
-        get alone."""
-        if len(items) >= BATCH_CHECK_MIN:
-            try:
-                return [None] * len(items), _prepare_columns(items)
-            except _SlowPath:
-                pass
-        out: list[Any] = [None] * len(items)
-        todo = []
-        jobs: set[str] = set()  # job names checked in this batch (one per step, usually)
-        for i, item in enumerate(items):
-            try:
-                job, step, rank, files, host = item
-                if type(job) is not str or job not in jobs:
-                    jobs.add(check_job(job))
-                check_int(step, "step")
-                check_int(rank, "rank")
-                if not isinstance(host, str) or len(host) > 255:
-                    raise MetaError(errno.EINVAL, "host must be a string of at most 255 chars")
-                norm, new_bytes = _norm_files(files)
-                todo.append((i, job, step, rank, norm, host, _digest(norm), new_bytes, False))
-            except MetaError as e:
-                out[i] = e
-            except (TypeError, ValueError) as e:
-                out[i] = MetaError(errno.EINVAL, f"bad commit_rank arguments: {e}")
-        return out, [(*t, _rank_parts(t[4], t[8])) for t in todo]
+        the previous one is being written (ckptcheck.prepare_commits)."""
+        return prepare_commits(items)
 
     @retried
     def write_commits(self, prepared: tuple[list[Any], list[tuple]]) -> list[dict | MetaError]:
