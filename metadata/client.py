@@ -123,6 +123,7 @@ def _read_token(path: str) -> str:
         raise MetaError(errno.EACCES, f"cannot read token file {path}: {e.strerror}") from None
 
 
+_UNREACHABLE = "cannot reach the metadata service at "
 _USAGE = "expected ckptfs://HOST:PORT[,HOST:PORT...][?OPTIONS]"
 
 
@@ -132,7 +133,7 @@ def parse_url(spec: str) -> tuple[list[tuple[str, int]], dict[str, list[str]]]:
         raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {_USAGE}")
     try:
         parts = urlsplit(spec)
-        params = parse_qs(parts.query, strict_parsing=bool(parts.query))
+        params = parse_qs(parts.query)
     except ValueError as e:
         raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {e} ({_USAGE})") from None
     if parts.scheme != "ckptfs":
@@ -278,13 +279,18 @@ class RemoteEngine(MetaEngine):
             if n == 1:
                 msg = errors[start]
             else:
-                msg = "no replica of the metadata service answers: " + "; ".join(errors.values())
-            if deadline is not None and self.retry_for:
-                msg += f" (tried for {self.retry_for:g} s)"
-            err = MetaError(errno.ECONNREFUSED, msg)
+                each = "; ".join(e.removeprefix(_UNREACHABLE) for e in errors.values())
+                msg = f"no replica of the metadata service answers ({each})"
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise err
+                tried = f" (tried for {self.retry_for:g} s)" if self.retry_for else ""
+                raise MetaError(errno.ECONNREFUSED, msg + tried)
+            err = MetaError(errno.ECONNREFUSED, msg)
+            if deadline is not None and delay == BACKOFF_MIN:  # a new client, first round
+                log.warning(
+                    "ckptfs meta: %s; retrying for up to %g s (retry= in the URL)",
+                    msg, self.retry_for,
+                )  # fmt: skip
             if on_round is not None:
                 on_round(err)
             pause = delay * (0.5 + random.random())
@@ -299,10 +305,7 @@ class RemoteEngine(MetaEngine):
                 (host, port), timeout=timeout
             )
         except OSError as e:
-            raise MetaError(
-                errno.ECONNREFUSED,
-                f"cannot reach the metadata service at {self._where(i)}: {e}",
-            ) from None
+            raise MetaError(errno.ECONNREFUSED, f"{_UNREACHABLE}{self._where(i)}: {e}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             _keepalive(sock)
