@@ -281,6 +281,8 @@ class ChunkRefMixin:
     def missing_chunks(self, ids: list[bytes]) -> set[bytes]:
         ids = list(dict.fromkeys(ids))
         with self._tx() as c:
+            # gc is not between the look and the touch (a chunk found is one it keeps)
+            self._lock_named(c, CHUNK_GATE, shared=True)
             missing = self._missing(c, ids)
             present = [(_now(), cid) for cid in sorted(ids) if cid not in missing]
             if present:

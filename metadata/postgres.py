@@ -16,8 +16,9 @@ serializes every writer, so sqlbase's lock hooks do nothing there):
    commit (every step in the batch), publish (inside the last commit), abort,
    expire, delete_checkpoint. Advisory, since a step being begun has no row yet.
 3. CHUNK_GATE (advisory): shared by transactions that take chunk references
-   (commit_file, group commits); exclusive for those that delete chunk rows or
-   set counts (gc_chunk_rows, fsck's drop/fix/register/true_refcounts).
+   (commit_file, group commits) or find chunks to deduplicate against
+   (missing_chunks); exclusive for those that delete chunk rows or set counts
+   (gc_chunk_rows, fsck's drop/fix/register/true_refcounts).
 4. Inode rows (SELECT ... FOR UPDATE, sorted), parents before children: the
    directory whose entries change (create, link, unlink, rmdir, rename, publish,
    delete_checkpoint), then the inode whose links, attributes, extents or
@@ -56,8 +57,9 @@ Why each invariant still holds:
   transaction taking references is in flight while it applies the journal and
   reads counts and extents. A commit checks that the chunks it references exist
   after taking the gate (shared): one gc deleted before is reported (the writer
-  stores it again), one it saw cannot be deleted before it commits. The grace
-  period (missing_chunks touches) keeps working as before.
+  stores it again), one it saw cannot be deleted before it commits. A chunk
+  missing_chunks finds is touched in the same gated transaction, so gc keeps it
+  for the grace period, as on SQLite.
 - A checkpoint is published once, with all ranks, or aborted: every transaction
   that writes a step holds its step lock, so the count that triggers the publish
   (in the last commit's transaction) counts every committed rank, and publish,
