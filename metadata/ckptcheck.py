@@ -91,8 +91,13 @@ def check_int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
 # -- a batch of rank commits ------------------------------------------------------------
 #
 # prepare_commits' output, per valid commit: (item index, job, step, rank, files, host,
-# digest, new bytes, closed, rank parts), where files are (path, parts, size, packed
-# extents, packed new chunks) in path order; see `_rank_parts`.
+# digest, new bytes, closed, parts). files: (path, parts, size, packed extents, packed
+# new chunks), in path order. closed: every file's extents are exactly its new chunks, in
+# order (the journal then takes one reference per chunk record and needs no copy of the
+# extents). parts, what the write needs, computed here, off the writer's path: (total
+# size, the paths joined with NULs, the new chunks and, unless closed, the extents, packed
+# (the journal's blobs), the directory prefixes the files need, each file's `alloc`: the
+# bytes its extents cover).
 
 
 def prepare_commits(items: list[tuple]) -> tuple[list[Any], list[tuple]]:
@@ -190,7 +195,7 @@ class _Columns:
             self.elen = self.clen = None
             self.raws = [c[0] if type(c) is tuple else b"" for c in checked]
         self.unsorted = _unsorted(self.raws, self.starts)
-        # (rank, file) -> why; the first broken per-file rule of each rank's first bad file
+        # rank -> (file, error): the first broken rule, of the rank's first bad file
         self.scalar: dict[int, tuple[int, MetaError]] = {}
         suspects = range(len(heads)) if not ok else self._with_dups()
         for k in suspects:
