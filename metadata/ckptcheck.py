@@ -112,8 +112,10 @@ def prepare_commits(items: list[tuple]) -> tuple[list[Any], list[tuple]]:
             job, step, rank, files, host = item
             if type(job) is not str or job not in jobs:
                 jobs.add(check_job(job))
-            check_int(step, "step")
-            check_int(rank, "rank")
+            if type(step) is not int or not 0 <= step < 2**62:  # (the usual ones: no call)
+                check_int(step, "step")
+            if type(rank) is not int or not 0 <= rank < 2**62:
+                check_int(rank, "rank")
             if not isinstance(host, str) or len(host) > 255:
                 raise MetaError(errno.EINVAL, "host must be a string of at most 255 chars")
             heads.append((i, job, step, rank, host, _file_list(files)))
