@@ -71,10 +71,28 @@ class ChunkRefMixin:
             return
         if settle and any(d < 0 for _, d in rows):
             self._settle(c)
+        self._add_refs(c, rows, now)
+
+    def _add_refs(self, c: Any, rows: list[tuple[bytes, int]], now: int) -> None:
+        """refcount += d for each (id, d), ids sorted (PostgreSQL: one statement)."""
         c.executemany(
             self._q("UPDATE chunks SET refcount = refcount + ?, touched = ? WHERE id = ?"),
             [(d, now, bytearray(cid)) for cid, d in rows],  # see _bulk_insert
         )
+
+    _UPSERT_CHUNKS = (
+        "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched) "
+        "VALUES (?,?,?,?,?,?) ON CONFLICT (id) DO UPDATE SET "
+        "refcount = chunks.refcount + excluded.refcount, touched = excluded.touched, "
+        "state = CASE WHEN excluded.state > chunks.state THEN excluded.state "
+        "ELSE chunks.state END"
+    )
+
+    def _upsert_chunks(self, c: Any, rows: list[tuple]) -> None:
+        """New chunk rows (id, raw_len, stored_len, refcount, state, touched), ids sorted;
+        a row already there adds the references and keeps the higher state (PostgreSQL:
+        one statement)."""
+        c.executemany(self._q(self._UPSERT_CHUNKS), rows)
 
     # -- pending references (the journal checkpoint commits write) -------------
     def _settle(self, c: Any) -> None:
@@ -115,14 +133,8 @@ class ChunkRefMixin:
             refs.update([owned[i : i + 16] for i in range(0, len(owned), CHK.size)])
         now = _now()
         if new:
-            c.executemany(
-                self._q(
-                    "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched) "
-                    "VALUES (?,?,?,?,?,?) ON CONFLICT (id) DO UPDATE SET "
-                    "refcount = chunks.refcount + excluded.refcount, touched = excluded.touched, "
-                    "state = CASE WHEN excluded.state > chunks.state THEN excluded.state "
-                    "ELSE chunks.state END"
-                ),
+            self._upsert_chunks(
+                c,
                 [
                     (bytearray(cid), *new[cid][:2], refs.pop(cid, 0), new[cid][2], now)
                     for cid in sorted(new)

@@ -164,6 +164,33 @@ class PostgresEngine(SqlEngine):
             for row in rows:
                 cp.write_row(row + extra if extra else row)
 
+    def _add_refs(self, c: Any, rows: list[tuple[bytes, int]], now: int) -> None:
+        """One statement over arrays: applying a journal row (2,048 chunks) statement by
+        statement took 150-370 ms on a loaded 2-core machine, and held the service's one
+        connection meanwhile. The rows are locked in id order first (FOR UPDATE), the
+        order every writer of chunk rows follows."""
+        ids = [bytes(cid) for cid, _ in rows]
+        c.execute("SELECT 1 FROM chunks WHERE id = ANY(%s) ORDER BY id FOR UPDATE", (ids,))
+        c.execute(
+            "UPDATE chunks SET refcount = chunks.refcount + d.delta, touched = %s "
+            "FROM unnest(%s::bytea[], %s::bigint[]) AS d(id, delta) WHERE chunks.id = d.id",
+            (now, ids, [d for _, d in rows]),
+        )
+
+    def _upsert_chunks(self, c: Any, rows: list[tuple]) -> None:
+        """One INSERT ... SELECT over arrays (see `_add_refs`); rows are taken in the
+        arrays' order (sorted ids), so conflicting rows are locked in id order."""
+        cols = list(zip(*rows, strict=True))
+        c.execute(
+            "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched) "
+            "SELECT * FROM unnest(%s::bytea[], %s::bigint[], %s::bigint[], %s::bigint[], "
+            "%s::bigint[], %s::bigint[]) ON CONFLICT (id) DO UPDATE SET "
+            "refcount = chunks.refcount + excluded.refcount, touched = excluded.touched, "
+            "state = CASE WHEN excluded.state > chunks.state THEN excluded.state "
+            "ELSE chunks.state END",
+            [[bytes(v) for v in cols[0]], *(list(col) for col in cols[1:])],
+        )
+
     def _ckpt_ddl(self) -> list[str]:
         return [translate_ddl(s) for s in super()._ckpt_ddl()]
 
