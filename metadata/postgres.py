@@ -6,7 +6,8 @@ different checkpoints, and of unrelated parts of the namespace, run side by
 side. Transactions run at READ COMMITTED, so every statement sees each
 transaction committed before it started: a statement after a lock was granted
 sees everything the lock's previous holder wrote. Reads run outside write
-transactions (autocommit) and never wait for a writer.
+transactions (autocommit) and never wait for another service's writer (within
+a service they take turns on its connection).
 
 Locks, in the order a transaction takes them (SQLite's BEGIN IMMEDIATE
 serializes every writer, so sqlbase's lock hooks do nothing there):
