@@ -302,6 +302,25 @@ def test_a_url_whose_first_replica_is_down_still_works(tmp_path, meta_server):
         assert "\n" not in str(e.value) and time.monotonic() - t0 < 1, bad
 
 
+def test_a_client_started_while_the_service_restarts_waits_for_it(tmp_path, meta_server):
+    """A `ckptfs put` (a new client) started while the only service is down used to fail
+    at once with ECONNREFUSED; it waits for it within the retry window instead."""
+    Volume.create(str(tmp_path / "vol"), nodes=2).close()
+    server = meta_server(tmp_path / "vol")
+    server.kill()
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(connect(server.url)))
+    t.start()
+    time.sleep(1.5)
+    assert not got  # still waiting: nothing listens
+    server.restart()
+    t.join(30)
+    (c,) = got
+    assert c.create(ROOT_INO, b"after", REG, 0, 0).ino > 0
+    assert c.failovers == 0
+    c.close()
+
+
 def test_a_second_meta_serve_on_a_sqlite_volume_is_refused(tmp_path, meta_server):
     """SQLite volumes run one service: a second `meta serve` exits at once with a one-line
     error naming the first; once the first is gone (even SIGKILLed), a new one starts."""
