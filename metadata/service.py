@@ -21,9 +21,14 @@ of ranks send them at the same moment:
 - plain reads (latest, lookup, getattr, ...): queued to one thread that runs
   everything waiting as a batch, identical calls once (see readbatch.py).
 
-Mutating requests carry idempotency keys; a retry of a key answers with the
-first outcome (within this process's lifetime; checkpoint calls are also
-idempotent by content, which survives a restart).
+Mutating requests carry idempotency keys, and a retry may reach another
+replica or this one restarted: what makes it apply once lives in the
+database. Requests whose second run would answer differently (create, unlink,
+rename, commit_file, ...) record their key and answer in their own
+transaction (requests.py); checkpoint commits are idempotent by content (the
+rank's digest, written with its files); the rest are idempotent as they are.
+A retry that arrives here while the first attempt still runs here waits for
+its outcome (the in-memory key table, a fast path only).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from typing import Any
 import msgspec
 import trio
 
-from metadata.checkpoints import file_fields, pack_files
+from metadata.ckptformat import file_fields, pack_files
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
@@ -64,6 +69,7 @@ from metadata.protocol import (
     parse_request,
 )
 from metadata.readbatch import ReadBatcher
+from metadata.requests import ONCE_METHODS
 from metadata.servicestats import ServiceStats
 
 log = logging.getLogger("ckptfs.meta")
@@ -77,6 +83,7 @@ IDEM_KEEP = 200_000
 MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
+PRUNE_EVERY = 60.0  # seconds between deletions of request ids past requests.REQUEST_KEEP_S
 GC_GEN0 = 50_000  # allocations between young-generation collections (default 700)
 SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits
 # Reads answered in batches by one thread (readbatch.py); the others are special-cased.
@@ -254,6 +261,7 @@ class MetaService:
         max_frame: int = MAX_FRAME,
         threads: int = 8,
     ) -> None:
+        engine.claim_service()  # a SQLite volume: refused if another service runs on it
         self.engine = engine
         self._token = token.encode()
         self.base_dir = base_dir
@@ -492,7 +500,7 @@ class MetaService:
         self, method: str, args: list, kwargs: dict, key: bytes | None, slot: _Slot
     ) -> None:
         try:
-            result = await self._dispatch(method, args, kwargs)
+            result = await self._dispatch(method, args, kwargs, key)
         except (MetaError, TypeError, ValueError) as e:
             slot.set(error=e)
         except Exception as e:
@@ -508,14 +516,22 @@ class MetaService:
         else:
             slot.set(result)
 
-    async def _dispatch(self, method: str, args: list, kwargs: dict) -> Any:
+    async def _dispatch(
+        self, method: str, args: list, kwargs: dict, key: bytes | None = None
+    ) -> Any:
         if method == "get_config":
             return await self._get_config(*args, **kwargs)
         if method == "manifest":
             return await self._manifest(*args, **kwargs)
         if method == "wait_published":
             return await self._wait_published(*args, **kwargs)
-        result = await self._run(getattr(self.engine, method), *args, **kwargs)
+        run_once = getattr(self.engine, "run_once", None)
+        if key is not None and method in ONCE_METHODS and run_once is not None:
+            # applied once whichever replica a retry reaches: the key and the answer are
+            # written in the request's own transaction (requests.py)
+            result = await self._run(run_once, key, method, args, kwargs)
+        else:
+            result = await self._run(getattr(self.engine, method), *args, **kwargs)
         if method == "abort":
             self.counters.step_state(result["job"], result["step"], result["state"])
         elif method == "expire":
@@ -574,6 +590,7 @@ class MetaService:
             self._step_files[key][item[2]] = item[3]
 
     async def _expirer(self) -> None:
+        pruned = trio.current_time()
         while True:
             await trio.sleep(EXPIRE_EVERY)
             try:
@@ -584,6 +601,13 @@ class MetaService:
                     self._notify()
             except Exception:
                 log.exception("deadline check failed")
+            prune = getattr(self.engine, "prune_requests", None)
+            if prune is not None and trio.current_time() - pruned >= PRUNE_EVERY:
+                pruned = trio.current_time()
+                try:
+                    await self._run(prune)
+                except Exception:
+                    log.exception("forgetting old request ids failed")
 
     # -- waiting -------------------------------------------------------------------
     async def _wait_published(
