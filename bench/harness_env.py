@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Callable
 
-from bench.harness import HarnessConfig, HarnessError, MetaServe
-
-
-def weed_path() -> str | None:
-    local = os.path.join(sys.prefix, "bin", "weed")
-    if os.access(local, os.X_OK):
-        return local
-    return shutil.which("weed")
+from bench.harness_config import HarnessConfig, HarnessError
+from bench.servers import ServerError
+from bench.servers.metaserve import MetaServer
+from bench.servers.seaweed import WeedServer
 
 
 class Env:
@@ -33,7 +28,7 @@ class Env:
         self.staging_root = os.path.join(self.root, "staging")
         self.fault_dir = os.path.join(self.root, "faults")
         self.url = ""
-        self.server: MetaServe | None = None
+        self.server: MetaServer | None = None
         self.weeds: list = []
         self.node_dirs: list[str] = []
         self.killed: str | None = None
@@ -82,12 +77,14 @@ class Env:
                 self.node_dirs = [
                     os.path.join(vol_dir, "nodes", f"n{i}") for i in range(c.node_count)
                 ]
-        self.server = MetaServe(vol_dir, os.path.join(self.root, "meta.log"))
+        log = os.path.join(self.root, "meta.log")
+        try:
+            self.server = MetaServer(vol_dir, log_path=log)
+        except ServerError as e:
+            raise HarnessError(f"ckptfs meta serve did not start: {e} (log {log})") from None
         self.url = self.server.url
 
     def _start_weeds(self, say: Callable[[str], None]) -> list[str]:
-        from tests.fixtures.seaweed import WeedServer
-
         say(f"starting {self.cfg.node_count} SeaweedFS servers on 127.0.0.1 ...")
         for i in range(self.cfg.node_count):
             d = os.path.join(self.root, f"weed{i}")
