@@ -18,10 +18,13 @@ fails the run. Everything listens on 127.0.0.1 only; every wait has a time bound
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +32,9 @@ from bench.common import disk_write
 from bench.harness_config import HarnessConfig, HarnessError
 from bench.harness_data import ShardMaker
 from bench.harness_env import Env
+from bench.harness_faults import FaultRunner
 from fusefs.progress import Progress
+from metadata.engine import MetaError
 
 READY_TIMEOUT = 180.0
 
@@ -48,26 +53,50 @@ class StepRecord:
     published: float | None = None
     load_start: float = 0.0
     info: dict = field(default_factory=dict)
+    deadline: float = 3600.0
+    may_abort: bool = False  # an injected fault may make publishing impossible in time
 
 
 class Workers:
-    """The worker processes and the pipe protocol to them; every wait is bounded."""
+    """The worker processes and the pipe protocol to them; every wait is bounded.
 
-    def __init__(self, cfg: HarnessConfig, wcfg: dict, hosts: list[list[int]], groups) -> None:
+    `netns`: host index -> network namespace path; a process of one such host enters it
+    before it opens anything (bench.netns.enter), so every connection it makes is the
+    host's own."""
+
+    def __init__(
+        self,
+        cfg: HarnessConfig,
+        wcfg: dict,
+        hosts: list[list[int]],
+        groups,
+        netns: dict[int, str] | None = None,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
+        self.groups = [list(g) for g in groups]
         from bench.harness_worker import worker_main
 
-        for g in groups:
-            parent, child = ctx.Pipe()
-            p = ctx.Process(
-                target=worker_main, args=(child, wcfg, [(h, hosts[h]) for h in g]), daemon=True
-            )
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
-        self.gather("ready", READY_TIMEOUT, None)
+        try:
+            for g in groups:
+                parent, child = ctx.Pipe()
+                ns = (netns or {}).get(g[0]) if len(g) == 1 else None
+                p = ctx.Process(
+                    target=worker_main,
+                    args=(child, wcfg, [(h, hosts[h]) for h in g], ns),
+                    daemon=True,
+                )
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
+            self.gather("ready", READY_TIMEOUT, None)
+        except BaseException:
+            self.stop()
+            raise
+
+    def host_pids(self) -> dict[int, int]:
+        return {h: p.pid for g, p in zip(self.groups, self.procs, strict=True) for h in g}
 
     def send(self, msg: tuple) -> None:
         for c in self.conns:
@@ -99,7 +128,8 @@ class Workers:
                         if on_progress:
                             on_progress(sum(counts))
                     elif msg[0] == "error":
-                        raise HarnessError(f"worker {i} failed:\n{msg[1]}")
+                        last = msg[1].strip().splitlines()[-1:] or ["?"]
+                        raise HarnessError(f"worker {i} failed: {last[0]}")
                     elif msg[0] in ("result", "ready"):
                         answers[i] = msg[1]
                 else:
@@ -132,7 +162,11 @@ def _percentile(xs: list[float], p: float) -> float | None:
 
 
 def run(cfg: HarnessConfig, log=None) -> dict:
-    """Run the whole benchmark; returns the report dict (see bench.harness_report)."""
+    """Run the whole benchmark; returns the report dict (see bench.harness_report).
+
+    Whatever happens (an error, Ctrl-C, SIGTERM), everything the run started is stopped
+    and removed before this returns or raises: faults undone, workers, servers, the
+    namespaces and their links, temporary files."""
     from metadata.client import connect
 
     cfg.validate()
@@ -143,16 +177,26 @@ def run(cfg: HarnessConfig, log=None) -> dict:
     env = Env(cfg, chunk)
     workers = None
     meta = None
+    faults = FaultRunner(cfg, env, say)
     steps: list[StepRecord] = []
+    errors: list[str] = []
     t_run = time.time()
+    topology: dict = {}
+    flush = final = None
+    latest = durable = None
+    stats: dict = {}
+    counters = {"failovers": 0, "reconnects": 0}
+    signals = _Signals()
     try:
-        env.start(say)
+        env.start(say, len(hosts))
+        topology = env.topology()
         meta = connect(env.url)
         job = f"bench-{int(t_run)}-{os.getpid()}"
         step_bytes = cfg.ranks * cfg.shard_size
         per_host = max(len(h) for h in hosts) * cfg.shard_size
         wcfg = {
             "url": env.url,
+            "urls": dict(env.host_urls),
             "job": job,
             "staging_root": env.staging_root,
             "staging_size": max(256 * 2**20, 4 * per_host),
@@ -174,27 +218,37 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         say(
             f"ckptfs bench: {cfg.ranks} ranks on {len(hosts)} hosts in {len(groups)} processes, "
             f"{cfg.steps} steps of {step_bytes / 2**20:.0f} MiB ({cfg.data}, change rate "
-            f"{cfg.change_rate}, chunks {chunk // 1024} KiB, durability {cfg.durability})"
+            f"{cfg.change_rate}, chunks {chunk // 1024} KiB, durability {cfg.durability}, "
+            f"topology {cfg.topology})"
         )
+        if faults.plan:
+            plan = ", ".join(f"{k} at step {v}" for k, v in faults.plan.items())
+            say(f"faults: {plan} (each down {cfg.fault_hold:g}s)")
         baseline = _disk_baseline(env.root, min(step_bytes, 256 * 2**20), cfg)
-        workers = Workers(cfg, wcfg, hosts, groups)
+        workers = Workers(cfg, wcfg, hosts, groups, env.host_ns)
+        env.worker_pids = workers.host_pids()
         if cfg.slow_node:
             env.slow_node()
         prev_published: int | None = None
         for step in range(1, cfg.steps + 1):
-            rec = _save_step(cfg, env, workers, meta, job, step, show, steps)
+            rec = _save_step(cfg, env, workers, meta, job, step, show, steps, faults)
             if rec.state == "published":
                 rec.loaded_step = step
             else:
                 rec.loaded_step = prev_published
-            rec.latest_after = meta.latest(job)
+            rec.latest_after = _try(errors, "latest", meta.latest, job)
             if rec.loaded_step is not None:
                 _load_step(cfg, workers, rec, show)
             if rec.state == "published":
                 prev_published = step
             steps.append(rec)
             say(_step_line(rec, cfg))
-        flush = None
+            if cfg.fail_after_step == step:
+                raise HarnessError(f"injected failure after step {step} (test hook)")
+        faults.finish()
+        for r in steps:  # an outage longer than the step's deadline may abort it
+            if faults.outage_end(r.step) > r.start + r.deadline:
+                r.may_abort = True
         if cfg.durability == "local":
             t0 = time.time()
             workers.send(("flush", cfg.phase_timeout))
@@ -206,19 +260,115 @@ def run(cfg: HarnessConfig, log=None) -> dict:
                 "s": round(time.time() - t0, 3),
                 "errors": [f"{r['host']}: {r['error']}" for r in res if not r["ok"]][:5],
             }
-        latest, durable = meta.latest(job), meta.latest_durable(job)
-        stats = meta.stats().as_dict()
+        final = _final_check(cfg, workers, meta, job, steps, show, errors)
+        workers.send(("counters",))
+        for part in workers.gather("counters", 60, None):
+            for k in counters:
+                counters[k] += int(part.get(k, 0))
+        counters["failovers"] += int(getattr(meta, "failovers", 0) or 0)
+        latest = _try(errors, "latest", meta.latest, job)
+        durable = _try(errors, "latest_durable", meta.latest_durable, job)
+        got = _try(errors, "stats", meta.stats)
+        stats = got.as_dict() if got is not None else {}
     finally:
-        if workers is not None:
-            workers.stop()
-        if meta is not None:
-            meta.close()
-        env.stop()
+        with signals.held():
+            faults.abort()
+            if workers is not None:
+                workers.stop()
+            if meta is not None:
+                try:
+                    meta.close()
+                except Exception:  # noqa: S110 - closing a client whose service is gone
+                    pass
+            env.stop()
+            signals.restore()
+            if env.problems:
+                say(f"teardown: {'; '.join(env.problems)}")
     from bench.harness_report import build_report
 
     return build_report(
-        cfg, job, chunk, steps, baseline, flush, latest, durable, stats, env.killed, t_run
+        cfg,
+        job,
+        chunk,
+        steps,
+        baseline,
+        flush,
+        latest,
+        durable,
+        stats,
+        env.killed,
+        t_run,
+        topology=topology,
+        faults=faults.as_list(t_run),
+        counters=counters,
+        final=final,
+        errors=errors + env.problems,
     )
+
+
+class _Signals:
+    """SIGTERM ends a run as Ctrl-C does (KeyboardInterrupt, so the teardown runs), and
+    neither signal can cut the teardown short. Only in the main thread (the only one
+    Python delivers signals to); elsewhere a no-op."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        signal.signal(signal.SIGTERM, self._interrupt)
+
+    @staticmethod
+    def _interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self):
+        if self.saved:
+            for s in self.saved:
+                signal.signal(s, signal.SIG_IGN)
+        yield
+
+    def restore(self) -> None:
+        for s, h in self.saved.items():
+            signal.signal(s, h)  # type: ignore[arg-type]
+        self.saved = {}
+
+
+def _try(errors: list[str], what: str, fn, *args):
+    """A metadata call after the steps: a failure is a finding of the run, not a crash."""
+    try:
+        return fn(*args)
+    except MetaError as e:
+        errors.append(f"{what}: {e}")
+        return None
+
+
+def _final_check(cfg, workers, meta, job, steps, show, errors) -> dict:
+    """No acknowledged write lost: after every fault was undone and the tiers drained,
+    every step the run saw published is still published, and the first and the last of
+    them read back whole (every rank, every byte compared)."""
+    published = [r.step for r in steps if r.state == "published"]
+    out: dict = {"ok": True, "steps": [], "not_published_any_more": []}
+    if not published:
+        return out
+    rows = _try(errors, "list_checkpoints", meta.list_checkpoints, job)
+    if rows is None:
+        out["ok"] = False
+        return out
+    state = {int(r["step"]): r["state"] for r in rows}
+    out["not_published_any_more"] = [s for s in published if state.get(s) != "published"]
+    for step in sorted({published[0], published[-1]}):
+        rec = StepRecord(step)
+        rec.loaded_step = step
+        _load_step(cfg, workers, rec, show, label="final check")
+        ok = sum(1 for r in rec.load if r.get("ok"))
+        bad = [f"{r['rank']}: {r['error']}" for r in rec.load if not r.get("ok")]
+        out["steps"].append({"step": step, "verified": ok, "failures": bad[:5]})
+    out["ok"] = not out["not_published_any_more"] and all(
+        s["verified"] == cfg.ranks for s in out["steps"]
+    )
+    return out
 
 
 def _disk_baseline(root: str, nbytes: int, cfg: HarnessConfig) -> dict:
@@ -236,7 +386,7 @@ def _disk_baseline(root: str, nbytes: int, cfg: HarnessConfig) -> dict:
     return {"bytes": written, "s": round(secs, 4), "gbps": round(written / 1e9 / secs, 3)}
 
 
-def _save_step(cfg, env, workers, meta, job, step, show, steps) -> StepRecord:
+def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepRecord:
     rec = StepRecord(step)
     faulty = step == cfg.fault_step
     deadline = cfg.deadline
@@ -245,14 +395,17 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps) -> StepRecord:
         if faulty and cfg.kill_rank:  # the abort comes at the deadline: keep it short
             prev = max((_save_seconds(s) or 0 for s in steps), default=0)
             deadline = max(10.0, 3 * prev)
+    rec.deadline = deadline
     meta.begin(job, step, cfg.ranks, deadline_s=deadline)
     if faulty and cfg.kill_rank:
         rec.faults.append(f"kill-rank {cfg.victim()}")
+        rec.may_abort = True
     if cfg.slow_node:
         rec.faults.append("slow-node n0")
     if cfg.slow_rank:
         rec.faults.append(f"slow-rank x{cfg.slow_rank}")
     rec.start = time.time() + 0.3
+    faults.step_started(rec)
     workers.send(("save", step, rec.start))
     bar = Progress(cfg.ranks, f"step {step} save", enabled=show, unit="ranks")
     seen = [0]
@@ -263,6 +416,8 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps) -> StepRecord:
         if faulty and cfg.kill_node and not env.killed and n >= max(1, cfg.ranks // 4):
             env.kill_node()
             rec.faults.append(f"kill-node {env.killed} at {n}/{cfg.ranks} ranks")
+            rec.may_abort = True
+        faults.save_progress(rec, n)
 
     try:
         parts = workers.gather("save", cfg.phase_timeout + 60, progress)
@@ -271,18 +426,31 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps) -> StepRecord:
     if faulty and cfg.kill_node and not env.killed:  # a tiny run finished before a report
         env.kill_node()
         rec.faults.append(f"kill-node {env.killed} after the writes")
+        rec.may_abort = True
+    faults.save_done(rec)
     rec.save = sorted((r for p in parts for r in p), key=lambda r: r["rank"])
-    info = meta.wait_published(job, step, timeout=deadline + 60)
-    rec.state, rec.reason = info["state"], info.get("reason", "")
-    rec.info = meta.checkpoint_info(job, step)
+    wait = deadline + 60
+    if any(r.get("error") and not r.get("killed") for r in rec.save):
+        wait = min(wait, 30.0)  # a rank that failed never commits: the step cannot publish
+    try:
+        info = meta.wait_published(job, step, timeout=wait)
+        rec.state, rec.reason = info["state"], info.get("reason", "")
+    except MetaError as e:
+        rec.state, rec.reason = "open", f"not published: {e}"
+    faults.step_done(rec)
+    try:
+        rec.info = meta.checkpoint_info(job, step)
+    except MetaError:
+        rec.info = {}
     rec.published = rec.info.get("published")
     return rec
 
 
-def _load_step(cfg, workers, rec: StepRecord, show: bool) -> None:
+def _load_step(cfg, workers, rec: StepRecord, show: bool, label: str = "") -> None:
     rec.load_start = time.time() + 0.3
     workers.send(("load", rec.loaded_step, rec.load_start))
-    bar = Progress(cfg.ranks, f"step {rec.step} load", enabled=show, unit="ranks")
+    what = label or f"step {rec.step} load"
+    bar = Progress(cfg.ranks, what, enabled=show, unit="ranks")
     seen = [0]
 
     def progress(n: int) -> None:

@@ -22,8 +22,6 @@ from bench.servers import ServerError, free_port, kill_group
 STARTUP_TIMEOUT = 60.0
 STABLE_S = 6.0  # a healed server passes write probes for this long before it is used
 ROLES = ("master", "volume", "filer", "s3")
-# Ports of a node alone in its network namespace: SeaweedFS's defaults (gRPC: +10000).
-DEFAULT_PORTS = {"master": 9333, "volume": 8080, "filer": 8888, "s3": 8333}
 
 
 def weed_path() -> str | None:
@@ -38,7 +36,9 @@ class WeedServer:
     """One `weed server` (master + volume + filer + S3) with its own directory and ports.
 
     `ip` is the address it binds and advertises; `prefix` runs it elsewhere (for example
-    `ip netns exec NS`); `ports` fixes its ports (default: free ones on 127.0.0.1)."""
+    `ip netns exec NS`); `ports` fixes its ports (default: free ones on 127.0.0.1). Two
+    servers need different ports even in different network namespaces: the filer also
+    listens on /tmp/seaweedfs-filer-grpc-PORT.sock."""
 
     def __init__(
         self,
@@ -90,6 +90,8 @@ class WeedServer:
             # maximum (free disk / volume size) ran out after a few dozen test buckets
             # ("No writable volumes"). Volumes are not preallocated: a high cap is cheap.
             "-volume.max=5000",
+            "-volume.preStopSeconds=1",
+            "-master.electionTimeout=1s",
             f"-debug.port={self.debug_port}",
         ]
         for k in ROLES:
