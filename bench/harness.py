@@ -170,6 +170,12 @@ def run(cfg: HarnessConfig, log=None) -> dict:
     from metadata.client import connect
 
     cfg.validate()
+    if cfg.topology == "netns":  # before anything is made: one line, nothing to undo
+        from bench.netns import rights
+
+        reason = rights()
+        if reason:
+            raise HarnessError(reason)
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     show = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     chunk = cfg.effective_chunk()
@@ -214,6 +220,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
             "kill_rank": [cfg.fault_step, cfg.victim()] if cfg.kill_rank else None,
             "corrupt": list(cfg.corrupt) if cfg.corrupt else None,
             "phase_timeout": cfg.phase_timeout,
+            "log_dir": env.log_dir,
         }
         say(
             f"ckptfs bench: {cfg.ranks} ranks on {len(hosts)} hosts in {len(groups)} processes, "
@@ -251,10 +258,9 @@ def run(cfg: HarnessConfig, log=None) -> dict:
                 r.may_abort = True
         if cfg.durability == "local":
             t0 = time.time()
-            workers.send(("flush", cfg.phase_timeout))
-            res = [
-                r for part in workers.gather("flush", cfg.phase_timeout + 60, None) for r in part
-            ]
+            drain = _drain_timeout(cfg)
+            workers.send(("flush", drain))
+            res = [r for part in workers.gather("flush", drain + 60, None) for r in part]
             flush = {
                 "ok": all(r["ok"] for r in res),
                 "s": round(time.time() - t0, 3),
@@ -271,6 +277,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         got = _try(errors, "stats", meta.stats)
         stats = got.as_dict() if got is not None else {}
     finally:
+        worker_logs = env.log_summary()
         with signals.held():
             faults.abort()
             if workers is not None:
@@ -303,7 +310,16 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         counters=counters,
         final=final,
         errors=errors + env.problems,
+        worker_logs=worker_logs,
     )
+
+
+def _drain_timeout(cfg: HarnessConfig) -> float:
+    """How long the final drain may take: every byte of the run at a slow 20 MB/s per
+    replica, at least 5 minutes, at most --phase-timeout (a drain that cannot finish, as
+    against a service that lost its database, ends the run in minutes, not in hours)."""
+    total = cfg.steps * cfg.ranks * cfg.shard_size * cfg.replicas
+    return min(cfg.phase_timeout, max(300.0, total / 20e6))
 
 
 class _Signals:
@@ -396,7 +412,11 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
             prev = max((_save_seconds(s) or 0 for s in steps), default=0)
             deadline = max(10.0, 3 * prev)
     rec.deadline = deadline
-    meta.begin(job, step, cfg.ranks, deadline_s=deadline)
+    try:
+        meta.begin(job, step, cfg.ranks, deadline_s=deadline)
+    except MetaError as e:  # the service cannot take the step: a finding, not a crash
+        rec.state, rec.reason = "not begun", str(e)
+        return rec
     if faulty and cfg.kill_rank:
         rec.faults.append(f"kill-rank {cfg.victim()}")
         rec.may_abort = True

@@ -64,6 +64,7 @@ class Env:
         self.root = tempfile.mkdtemp(prefix="ckptfs-bench-", dir=cfg.workdir)
         self.staging_root = os.path.join(self.root, "staging")
         self.fault_dir = os.path.join(self.root, "faults")
+        self.log_dir = os.path.join(self.root, "logs")
         self.url = ""  # the coordinator's
         self.host_urls: dict[int, str] = {}
         self.servers: list[MetaServer] = []
@@ -84,6 +85,7 @@ class Env:
         self._lock = threading.RLock()
         os.makedirs(self.staging_root)
         os.makedirs(self.fault_dir)
+        os.makedirs(self.log_dir)
 
     # -- start ---------------------------------------------------------------------------
     def _check_space(self, path: str) -> None:
@@ -139,9 +141,6 @@ class Env:
 
     def _start_fabric(self, say: Callable[[str], None], n_hosts: int) -> None:
         c = self.cfg
-        reason = netns.rights()
-        if reason:
-            raise HarnessError(reason)
         netns.sweep_stale(say)
         f = self.fabric = netns.Fabric()
         say(f"building the fleet: network namespaces {f.run}-* on 198.18.0.0/16 ...")
@@ -179,6 +178,7 @@ class Env:
                 host=where,
                 port=PG_PORT if m else None,
                 prefix=m.prefix if m else (),
+                tag=self.fabric.run if self.fabric else f"bench{os.getpid()}",
             )
             self.db_url = self.pg.create_db()
         except Exception as e:
@@ -270,6 +270,24 @@ class Env:
                     "delay_applied": bool(delay) and f.delay_applied is True,
                 }
         out["notes"] = list(self.notes)
+        return out
+
+    def log_summary(self) -> dict:
+        """What the hosts logged (warnings and errors): per log, the count and the last line,
+        kept for the report because the logs go with the run's directory."""
+        out = {}
+        try:
+            names = sorted(os.listdir(self.log_dir))
+        except OSError:
+            return out
+        for name in names:
+            try:
+                with open(os.path.join(self.log_dir, name), errors="replace") as f:
+                    lines = [ln.rstrip() for ln in f if ln[:1].isdigit()]
+            except OSError:
+                continue
+            if lines:
+                out[name] = {"entries": len(lines), "last": lines[-1][:300]}
         return out
 
     # -- faults ---------------------------------------------------------------------------

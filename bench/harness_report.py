@@ -217,6 +217,7 @@ def build_report(
     counters: dict | None = None,
     final: dict | None = None,
     errors: list[str] | None = None,
+    worker_logs: dict | None = None,
 ):
     summaries = [step_summary(r, cfg) for r in steps]
     verdict = judge(summaries, cfg.ranks, flush, latest, durable, final, faults, errors)
@@ -245,6 +246,7 @@ def build_report(
         "publish_latency": latency_split(summaries),
         "final_check": final,
         "errors": errors or [],
+        "worker_logs": worker_logs or {},
         "verdict": verdict,
     }
 

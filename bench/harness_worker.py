@@ -15,6 +15,7 @@ bounded in time. On --topology netns the process is one host and lives in its na
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import traceback
@@ -318,6 +319,13 @@ def worker_main(
     """Process entry point (spawned): enter the host's network namespace (--topology
     netns), open the hosts, then obey the coordinator."""
     opened: list[Host] = []
+    if cfg.get("log_dir"):  # warnings (a node down, a retry) go to a file, not the terminal
+        name = "-".join(f"host-{i:03d}" for i, _ in hosts[:4])
+        logging.basicConfig(
+            filename=os.path.join(cfg["log_dir"], f"{name}.log"),
+            level=logging.WARNING,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
     try:
         if netns:
             from bench.netns import enter

@@ -54,7 +54,9 @@ class PgCluster:
     """initdb + pg_ctl start in a temp dir; `url(db)` for connections; stop() removes it.
 
     `host`/`port`: where it listens (default 127.0.0.1 and a free port); `prefix` runs the
-    server elsewhere (`ip netns exec NS`); `restart()` stops and starts the same cluster."""
+    server elsewhere (`ip netns exec NS`); `parent`: where its directory goes (the postgres
+    user must be able to reach it; default the system's temp dir); `restart()` stops and
+    starts the same cluster."""
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class PgCluster:
         port: int | None = None,
         prefix: Sequence[str] = (),
         parent: str | None = None,
+        tag: str = "",
     ) -> None:
         reason = pg_available()
         if reason:
@@ -72,7 +75,8 @@ class PgCluster:
         self.port = port or free_port(host)
         self.prefix = list(prefix)
         self.fsync = fsync
-        self.dir = tempfile.mkdtemp(prefix="ckptfs-pg-", dir=parent)
+        # `tag` names the owner in the directory (and so in the server's command line)
+        self.dir = tempfile.mkdtemp(prefix=f"ckptfs-pg-{tag + '-' if tag else ''}", dir=parent)
         self.data = os.path.join(self.dir, "data")
         self.log = os.path.join(self.dir, "log")
         self._n = itertools.count()
