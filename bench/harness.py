@@ -451,7 +451,7 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
     rec.save = sorted((r for p in parts for r in p), key=lambda r: r["rank"])
     wait = deadline + 60
     if any(r.get("error") and not r.get("killed") for r in rec.save):
-        wait = min(wait, 30.0)  # a rank that failed never commits: the step cannot publish
+        wait = min(wait, 10.0)  # a rank that failed never commits: the step cannot publish
     try:
         info = meta.wait_published(job, step, timeout=wait)
         rec.state, rec.reason = info["state"], info.get("reason", "")

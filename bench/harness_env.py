@@ -164,6 +164,12 @@ class Env:
                     if note and note not in self.notes:
                         self.notes.append(note)
                         say(note)
+            # multiprocessing's resource tracker is a process of this one, started on first
+            # use: start it here, or it would be born in the coordinator's namespace and
+            # killed with it at teardown (a tracker that later processes of this one need)
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
             self._ctl_old = netns.enter(ctl.path)
         except netns.NetnsError as e:
             raise HarnessError(str(e)) from None

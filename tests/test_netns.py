@@ -353,7 +353,7 @@ def test_restart_db_mid_step(tmp_path):
     the service's engine reconnects to a restarted database (the metadata branch's work)."""
     cfg = HarnessConfig(
         ranks=16, hosts=2, shard_size=64 * 1024, steps=2, db="postgres", restart_db=True,
-        fault_hold=1.0, workdir=str(tmp_path), progress=False, phase_timeout=60,
+        fault_hold=1.0, workdir=str(tmp_path), progress=False, phase_timeout=20,
     )  # fmt: skip
     rep = run(cfg, log=lambda _m: None)
     (f,) = rep["faults"]
