@@ -11,9 +11,20 @@ The coordinator (this module) owns the environment and the clock; worker process
 Faults are injected at `fault_step`: a node dies once a quarter of the ranks have committed
 (its directory replaced by a file, or its SeaweedFS server SIGKILLed), one rank dies halfway
 through its shard (the step must then be aborted at its deadline), ranks or a node are slowed.
-The verdict: every step either published with every byte verified, or (only where a fault was
-injected) was aborted with the previous step still the latest and still verified. Anything else
-fails the run. Everything listens on 127.0.0.1 only; every wait has a time bound.
+Fleet faults (bench.harness_faults) take one step each from there: a service replica killed
+and restarted, a host's link cut and healed, PostgreSQL restarted, and a rolling restart of
+every S3 node across steps.
+
+The verdict (bench.harness_report.judge): every step either published with every byte
+verified, or (only where an injected fault made publishing impossible in time) was aborted
+with the previous step still the latest and still verified; every staged chunk drained; no
+acknowledged write lost (after the faults are undone, the first and last published steps
+read back whole); every fault undone. Anything else fails the run.
+
+Where it runs (bench.harness_env): on 127.0.0.1 (`loopback`), or with every host, replica,
+the database and every node in a network namespace of its own on 198.18.0.0/16 (`netns`,
+bench.netns). Every wait has a time bound; everything started is torn down at the end, on
+failure and on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
