@@ -267,7 +267,12 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         for r in steps:  # an outage longer than the step's deadline may abort it
             if faults.outage_end(r.step) > r.start + r.deadline:
                 r.may_abort = True
-        if cfg.durability == "local":
+        alive = _try(errors, "latest before the drain", meta.latest, job) is not None or not any(
+            r.state == "published" for r in steps
+        )
+        if cfg.durability == "local" and not alive:  # nothing can be marked durable
+            flush = {"ok": False, "s": 0.0, "errors": ["the service cannot read its database"]}
+        elif cfg.durability == "local":
             t0 = time.time()
             drain = _drain_timeout(cfg)
             workers.send(("flush", drain))
@@ -382,6 +387,7 @@ def _final_check(cfg, workers, meta, job, steps, show, errors) -> dict:
     rows = _try(errors, "list_checkpoints", meta.list_checkpoints, job)
     if rows is None:
         out["ok"] = False
+        out["error"] = "the service could not list the job's steps"
         return out
     state = {int(r["step"]): r["state"] for r in rows}
     out["not_published_any_more"] = [s for s in published if state.get(s) != "published"]

@@ -160,6 +160,9 @@ def judge(
         if final["ok"]:
             if final["steps"]:
                 lines.append(f"no acknowledged write lost: read back at the end: {checked}")
+        elif final.get("error"):
+            ok = False
+            lines.append(f"FAIL acknowledged writes could not be checked: {final['error']}")
         else:
             ok = False
             gone = final.get("not_published_any_more") or []
