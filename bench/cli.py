@@ -1,4 +1,5 @@
-"""`ckptfs bench` (the load-test harness) and `ckptfs demo` (train, save, load, compare)."""
+"""`ckptfs bench`: the load-test harness, registered as a ckptfs command (entry point
+`ckptfs.commands`), so the CLI in fusefs never imports bench."""
 
 from __future__ import annotations
 
@@ -69,14 +70,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if rep["verdict"]["ok"] else 2
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from fusefs.demo import run_demo
-
-    return run_demo(steps=args.steps, keep=args.keep, temp_volume=args.temp_volume)
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    from fusefs.cli import size_arg
+    from fusefs.cli.main import size_arg
 
     b = sub.add_parser(
         "bench",
@@ -209,19 +204,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     b.add_argument("--plot", metavar="DIR", help="write PNG plots (matplotlib)")
     b.set_defaults(func=cmd_bench)
-
-    d = sub.add_parser(
-        "demo",
-        help="train a small model on 4 ranks, checkpoint it, reload and compare",
-        description="4 gloo ranks (CPU, 127.0.0.1) train a small model, save every step with "
-        "the DCP backend and once with torch.save through a temporary FUSE mount of the "
-        "embedded default volume, reload, compare, and print sizes, dedup and the timeline.",
-    )
-    d.add_argument("--steps", type=int, default=3, help="training steps (1..20)")
-    d.add_argument(
-        "--temp-volume",
-        action="store_true",
-        help="use a throwaway volume instead of the embedded default",
-    )
-    d.add_argument("--keep", action="store_true", help="keep the demo's checkpoints")
-    d.set_defaults(func=cmd_demo)

@@ -114,7 +114,7 @@ def _pct(xs: list[float], p: float) -> float:
 def run(engine: str, n: int, procs: int, tmp: str, tls: bool = False) -> dict:
     from bench.servers.metaserve import MetaServer, self_signed
     from bench.servers.postgres import PgCluster, pg_available
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
     from metadata.client import connect
 
     cluster = None

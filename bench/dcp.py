@@ -315,8 +315,8 @@ def main() -> int:
     if not 1 <= args.rounds <= 9:
         ap.error("--rounds must be 1..9")
     sys.path.insert(0, ROOT)
-    from fusefs.units import parse_size
-    from fusefs.volume import Volume
+    from fusefs.cli.units import parse_size
+    from fusefs.client.volume import Volume
 
     size = parse_size(args.size)
     work = tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir)
@@ -457,7 +457,7 @@ def main() -> int:
 
 
 def _checkpoints(vol: str) -> list[dict]:
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
 
     with Volume.open(vol) as v:
         return [v.meta.checkpoint_info(c["job"], c["step"]) for c in v.meta.list_checkpoints("job")]

@@ -17,8 +17,8 @@ import tempfile
 import time
 
 from bench.common import MiB, UniqueBlocks, bf16_weights, disk_write, mbps, peak_rss_mib
-from fusefs.units import parse_size
-from fusefs.volume import Volume, VolumeSettings
+from fusefs.cli.units import parse_size
+from fusefs.client.volume import Volume, VolumeSettings
 
 
 def _put(vol: Volume, path: str, pieces) -> tuple[float, int]:

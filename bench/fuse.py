@@ -95,7 +95,7 @@ def mount_ckptfs(vol: str, mp: str, env: dict, *opts: str) -> subprocess.Popen:
 
 def mount_floor(base: str, env: dict, procs: list, *opts: str) -> tuple[str, subprocess.Popen]:
     """Mount bench/floorfs.py with the read-ahead the mount sets for itself."""
-    from fusefs.mount import tune_readahead
+    from fusefs.mount.fs import tune_readahead
 
     mp = os.path.join(base, "floor-mnt")
     os.makedirs(mp, exist_ok=True)
@@ -223,7 +223,7 @@ def save_all(states, directory: str, tag: str) -> float:
 
 
 def stored_bytes(vol_dir: str) -> int:
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
 
     with Volume.open(vol_dir) as v:
         return v.stats()["stored_bytes"]
@@ -292,7 +292,7 @@ def main() -> int:
     procs: list[tuple[str, subprocess.Popen | None]] = []
     opts = ["--staging", os.path.join(base, "staging"), "--durability", args.durability]
     try:
-        from fusefs.volume import Volume
+        from fusefs.client.volume import Volume
 
         vol = os.path.join(base, "vol")
         Volume.create(vol).close()

@@ -44,7 +44,7 @@ from bench.harness_config import HarnessConfig, HarnessError
 from bench.harness_data import ShardMaker
 from bench.harness_env import Env
 from bench.harness_faults import FaultRunner
-from fusefs.progress import Progress
+from fusefs.cli.progress import Progress
 from metadata.engine import MetaError
 
 READY_TIMEOUT = 180.0

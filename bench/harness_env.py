@@ -111,7 +111,7 @@ class Env:
             self.url = c.volume
             return
         if c.volume is not None:
-            from fusefs.volume import VOLUME_FILE
+            from fusefs.client.volume import VOLUME_FILE
 
             vol_dir = os.path.abspath(c.volume)
             if not os.path.exists(os.path.join(vol_dir, VOLUME_FILE)):
@@ -119,7 +119,7 @@ class Env:
                     f"no volume at {c.volume} (run `ckptfs format {c.volume}` first)"
                 )
         else:
-            from fusefs.volume import Volume, VolumeSettings
+            from fusefs.client.volume import Volume, VolumeSettings
 
             vol_dir = os.path.join(self.root, "vol")
             if c.db == "postgres":

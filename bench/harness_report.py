@@ -11,7 +11,7 @@ import os
 import time
 from dataclasses import asdict
 
-from fusefs.units import format_size
+from fusefs.cli.units import format_size
 
 
 def _pct(xs: list[float], p: float) -> float | None:

@@ -27,8 +27,9 @@ import trio
 import xxhash
 
 from bench.harness_data import ShardMaker
-from chunkstore.node import NodeInfo, ObjectNode, open_node
-from fusefs.volume import FileWriter, Volume, maybe_inline
+from chunkstore.nodes import NodeInfo, ObjectNode, open_node
+from fusefs.client.extents import maybe_inline
+from fusefs.client.volume import FileWriter, Volume
 from metadata.checkpoints import unpack_extents
 
 PROGRESS_EVERY = 0.25

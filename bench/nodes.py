@@ -26,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.servers.seaweed import SeaweedCluster, WeedServer  # noqa: E402
-from fusefs.scrub import scrub  # noqa: E402
-from fusefs.volume import FileReader, Volume, VolumeSettings  # noqa: E402
+from fusefs.client.volume import FileReader, Volume, VolumeSettings  # noqa: E402
+from fusefs.maint.scrub import scrub  # noqa: E402
 
 BLOCK = 4 * 2**20
 THREADS = 8

@@ -29,8 +29,8 @@ import time
 
 from bench.common import MiB, UniqueBlocks, disk_write, mbps, peak_rss_mib
 from bench.throttle import throttle_volume
-from fusefs.units import parse_size
-from fusefs.volume import Volume, VolumeSettings
+from fusefs.cli.units import parse_size
+from fusefs.client.volume import Volume, VolumeSettings
 
 
 def _save(vol: Volume, path: str, total: int, seed: int) -> float:
@@ -52,7 +52,7 @@ def _disk(base: str, total: int, seed: int) -> float:
 
 MOUNT_WRAPPER = r"""
 import sys
-import fusefs.cli_mount as cm
+import fusefs.cli.mount as cm
 from bench.throttle import throttle_volume
 
 rate, orig = float(sys.argv[1]), cm.attach_tier
@@ -64,7 +64,7 @@ def throttled(vol, *a):
 
 
 cm.attach_tier = throttled
-from fusefs.cli import main
+from fusefs.cli.main import main
 
 sys.exit(main(sys.argv[2:]))
 """

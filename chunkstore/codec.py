@@ -48,6 +48,7 @@ MAGIC = b"CKC"
 VERSION = 1
 _HDR = struct.Struct("<3sBBBQQ")
 HEADER = _HDR.size  # 22
+MAX_RAW_LEN = 64 * 2**20  # no chunk is longer (chunker.MAX_CHUNK); a header saying more is corrupt
 _SEEDED = _HDR.size - 8  # header bytes covered by the checksum seed
 _STREAM = struct.Struct("<BQ")
 
@@ -233,6 +234,22 @@ def encode(
 # -- decode / verify ---------------------------------------------------------------------------
 
 
+def _header(mv: memoryview) -> tuple[int, int, int, int, int]:
+    """(version, codec, width, raw_len, checksum) of a chunk object's header, checked as far
+    as it can be alone. A declared length over MAX_RAW_LEN is refused here: a replica whose
+    header claims gigabytes is a bad replica, not a buffer to allocate."""
+    if len(mv) < HEADER:
+        raise ChunkFormatError(f"chunk object truncated: {len(mv)} bytes, header needs {HEADER}")
+    magic, version, codec, width, raw_len, checksum = _HDR.unpack_from(mv)
+    if magic != MAGIC:
+        raise ChunkFormatError(f"bad magic {bytes(magic)!r}: not a chunk object")
+    if codec not in _CODEC_NAMES:
+        raise ChunkFormatError(f"unknown codec byte {codec}")
+    if raw_len > MAX_RAW_LEN:
+        raise ChunkFormatError(f"declared length {raw_len} is over the chunk limit {MAX_RAW_LEN}")
+    return version, codec, width, raw_len, checksum
+
+
 def _parse(
     blob: bytes | memoryview, *, id_checked: bool = False
 ) -> tuple[int, int, int, memoryview]:
@@ -241,15 +258,9 @@ def _parse(
     id_checked=True: the caller hashes the decoded bytes against the chunk id, so for a
     raw object (whose payload *is* those bytes) the payload checksum is skipped."""
     mv = _as_bytes_view(blob)
-    if len(mv) < HEADER:
-        raise ChunkFormatError(f"chunk object truncated: {len(mv)} bytes, header needs {HEADER}")
-    magic, version, codec, width, raw_len, checksum = _HDR.unpack_from(mv)
-    if magic != MAGIC:
-        raise ChunkFormatError(f"bad magic {bytes(magic)!r}: not a chunk object")
+    version, codec, width, raw_len, checksum = _header(mv)
     if version != VERSION:
         raise ChunkFormatError(f"unknown chunk format version {version}")
-    if codec not in _CODEC_NAMES:
-        raise ChunkFormatError(f"unknown codec byte {codec}")
     if (codec == FLOAT) != (width != 0) or (codec == FLOAT and width not in _FLOAT_WIDTHS):
         raise ChunkFormatError(f"invalid element width {width} for codec {_CODEC_NAMES[codec]}")
     payload = mv[HEADER:]
@@ -311,14 +322,7 @@ def verify(blob: bytes | memoryview) -> None:
 
 def header_info(blob: bytes | memoryview) -> tuple[int, str, int]:
     """(format_version, codec actually used, raw_len) from the header alone (not verified)."""
-    mv = _as_bytes_view(blob)
-    if len(mv) < HEADER:
-        raise ChunkFormatError(f"chunk object truncated: {len(mv)} bytes, header needs {HEADER}")
-    magic, version, codec, _width, raw_len, _checksum = _HDR.unpack_from(mv)
-    if magic != MAGIC:
-        raise ChunkFormatError(f"bad magic {bytes(magic)!r}: not a chunk object")
-    if codec not in _CODEC_NAMES:
-        raise ChunkFormatError(f"unknown codec byte {codec}")
+    version, codec, _width, raw_len, _checksum = _header(_as_bytes_view(blob))
     return version, _CODEC_NAMES[codec], raw_len
 
 

@@ -221,3 +221,18 @@ def write_new(
             pass
         raise
     return total
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of the files directly in `path` (0 if it is gone): the tier's space estimate."""
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for e in it:
+                try:
+                    total += e.stat().st_size
+                except FileNotFoundError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return total

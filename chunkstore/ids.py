@@ -12,7 +12,7 @@ import re
 import xxhash
 
 ID_LEN = 16
-_HEX_RE = re.compile(r"^[0-9a-f]{32}$")
+_HEX_RE = re.compile(r"[0-9a-f]{32}")  # fullmatch: "$" would let a trailing newline in
 
 
 def chunk_id(data: bytes | memoryview, seed: int) -> bytes:
@@ -40,8 +40,8 @@ def to_hex(cid: bytes) -> str:
 
 def from_hex(text: str) -> bytes:
     """Parse a hex chunk id; the only way a key from outside becomes an id."""
-    if not _HEX_RE.match(text):
-        raise ValueError(f"not a chunk id: {text[:64]!r}")
+    if not isinstance(text, str) or not _HEX_RE.fullmatch(text):
+        raise ValueError(f"not a chunk id: {str(text)[:64]!r}")
     return bytes.fromhex(text)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -19,10 +20,13 @@ from dataclasses import dataclass
 from chunkstore import codec
 from chunkstore.health import NodeHealth
 from chunkstore.ids import chunk_id
-from chunkstore.node import NodeError, ObjectMissing, ObjectNode
+from chunkstore.nodes import NodeError, ObjectMissing, ObjectNode
 from chunkstore.placement import place, rank_nodes
 
 log = logging.getLogger("ckptfs.store")
+
+
+BAD_REPLICAS_KEPT = 1000  # the newest bad replicas a store remembers
 
 
 class ChunkStoreError(Exception):
@@ -61,7 +65,10 @@ class ChunkStore:
         self._domains = [n.domain for n in self.nodes]
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptfs-io")
         self._lock = threading.Lock()
-        self.bad_replicas: list[BadReplica] = []
+        # The latest bad replicas seen (for the CLI's warnings; a long-running mount would
+        # otherwise keep every one): fsck and the on_bad_replica hook see them all.
+        self.bad_replicas: deque[BadReplica] = deque(maxlen=BAD_REPLICAS_KEPT)
+        self.bad_replicas_seen = 0
         self.on_bad_replica: Callable[[BadReplica], None] | None = None
         # Node health and the replicas a degraded write could not place (see put_encoded).
         self.health = {n.name: NodeHealth() for n in self.nodes}
@@ -209,6 +216,7 @@ class ChunkStore:
         log.warning("bad replica of chunk %s on node %s: %s", bad.cid.hex(), bad.node, bad.reason)
         with self._lock:
             self.bad_replicas.append(bad)
+            self.bad_replicas_seen += 1
         if self.on_bad_replica is not None:
             self.on_bad_replica(bad)
 

@@ -56,6 +56,14 @@ class UnknownChunks(MetaError):
     """Extents name chunks that no one registered: the caller must store them first."""
 
 
+class MetaBusy(MetaError):
+    """A loop engine's call that would have waited (a lock, a recovery): nothing was done,
+    and the caller runs it again on an ordinary engine, from a worker."""
+
+    def __init__(self, err: int = errno.EAGAIN, message: str = "busy") -> None:
+        super().__init__(err, message)
+
+
 def internal_error(what: str, e: BaseException) -> MetaError:
     """An unexpected failure (a bug, a broken database) as the EIO a client is answered."""
     return MetaError(errno.EIO, f"{what} failed: {type(e).__name__}: {e}")
@@ -424,6 +432,24 @@ class MetaEngine(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional
         pass
+
+    # -- hooks for a long-running frontend (the mount) ------------------------------------
+    def loop_engine(self) -> MetaEngine | None:
+        """A second engine whose short calls (lookup, getattr, create, a small commit_file)
+        may run right on an event loop, or None where every call must go to a worker.
+
+        It never waits: a call that would (a lock held, a recovery pending) raises
+        MetaBusy with nothing done. Worth having only where a call costs far less than a
+        thread round trip (an in-process database); the caller closes it."""
+        return None
+
+    #: seconds between `housekeeping()` calls while a frontend runs; None: not needed
+    housekeeping_interval: float | None = None
+
+    def housekeeping(self) -> None:  # noqa: B027 - optional
+        """Upkeep a long-running frontend runs from a worker thread every
+        `housekeeping_interval` seconds (SQLite: checkpoint a WAL that its loop engine,
+        which never checkpoints, keeps growing)."""
 
     def __enter__(self) -> MetaEngine:
         return self

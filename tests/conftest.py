@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from fusefs.volume import Volume, VolumeSettings  # noqa: E402
+from fusefs.client.volume import Volume, VolumeSettings  # noqa: E402
 
 # One line per concern's fixture module (tests/fixtures/*.py).
 pytest_plugins: list[str] = [

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 from metadata.checkpoints import unpack_extents
 from metadata.client import connect
 from metadata.engine import DURABLE, STAGED, Extent, MetaError, NewChunk

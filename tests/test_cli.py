@@ -96,7 +96,7 @@ def test_get_of_a_node_without_bytes_is_an_error(tmp_path):
     used to write an empty file)."""
     import stat
 
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
     from metadata.engine import ROOT_INO
 
     vol = tmp_path / "vol"
@@ -135,3 +135,69 @@ def test_user_errors_are_one_line(tmp_path, args, words):
     assert ckptfs("stats", str(vol), "--json").stdout == before
     assert not (tmp_path / "v2").exists()
     assert not (tmp_path / "out").exists()
+
+
+def test_get_never_writes_through_a_planted_partial_file(tmp_path):
+    """A symlink at DEST.ckptfs-partial (the old fixed temp name) must not redirect the
+    download: the victim stays as it was, the destination gets the bytes."""
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(3 * MiB))
+    ckptfs("put", str(vol), str(src), "/f")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    dest = tmp_path / "dest"
+    os.symlink(victim, str(dest) + ".ckptfs-partial")
+    ckptfs("get", str(vol), "/f", str(dest))
+    assert victim.read_bytes() == b"precious"
+    assert filecmp.cmp(src, dest, shallow=False)
+    assert [p.name for p in tmp_path.iterdir() if ".ckptfs-partial." in p.name] == []
+
+
+def test_names_with_terminal_escapes_are_shown_escaped(tmp_path):
+    """File, job and host names reach human output escaped; JSON output keeps them exact."""
+    from fusefs.client.volume import Volume
+
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    evil = "x\x1b]0;owned\x07\x1b[2J"
+    with Volume.open(str(vol)) as v:
+        v.write_file("/" + evil, b"abc")
+        v.write_file("/raw\xff".encode("latin-1").decode("utf-8", "surrogateescape"), b"d")
+        v.meta.begin(evil, 1, 1)
+        v.meta.commit_rank(evil, 1, 0, [], host="h\x1b[31m")
+    for out in (
+        ckptfs("ls", str(vol)).stdout,
+        ckptfs("checkpoints", str(vol), "list").stdout,
+        ckptfs("checkpoints", str(vol), "show", evil, "1").stdout,
+    ):
+        assert "\x1b" not in out and "\x07" not in out
+        assert "\\x1b" in out
+    assert "raw\\xff" in ckptfs("ls", str(vol)).stdout
+    rows = json.loads(ckptfs("checkpoints", str(vol), "list", "--json").stdout)
+    assert rows[0]["job"] == evil  # exact in JSON
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_format_that_cannot_reach_a_node_leaves_nothing(tmp_path, existing):
+    """An unreachable S3 node: one line, exit non-zero, and no half-made volume (it left
+    meta.db without volume.json, and a traceback)."""
+    import socket
+
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    vol = tmp_path / "vol"
+    if existing:
+        vol.mkdir()
+        (vol / "keep.txt").write_text("mine")
+    url = f"s3://bkt?endpoint=http://127.0.0.1:{port}&connect_timeout=0.5&retries=1"
+    proc = ckptfs("format", str(vol), "--node", "dir:n0", "--node", url, "--replicas", "1",
+                  check=False)  # fmt: skip
+    _assert_clean_error(proc, "cannot format")
+    if existing:
+        assert sorted(p.name for p in vol.iterdir()) == ["keep.txt"]
+    else:
+        assert not vol.exists()
+    ckptfs("format", str(vol))  # the path is usable afterwards

@@ -268,3 +268,29 @@ def test_concurrent_encode_decode_from_many_threads():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+@pytest.mark.parametrize("name", ["zeros", "bf16", "random"])
+def test_a_huge_declared_length_with_a_valid_checksum_is_a_bad_replica(name, tmp_path):
+    """A replica whose header claims 2**40 bytes (checksum resealed, so it looks intact)
+    must be refused as corrupt before anything is allocated for it: the store then reads
+    the next replica. It used to raise MemoryError out of the read."""
+    from chunkstore.ids import chunk_id
+    from chunkstore.nodes import NodeInfo
+    from chunkstore.nodes.dir import DirNode
+    from chunkstore.store import ChunkStore
+
+    raw = DATA[name]
+    blob = encode(raw, "auto")
+    bad = reseal(blob, raw_len=2**40)
+    for check in (decode, verify, header_info):
+        with pytest.raises(ChunkFormatError, match="over the chunk limit"):
+            check(bad)
+    nodes = [DirNode(NodeInfo(f"n{i}", f"dir:{tmp_path}/n{i}", f"n{i}")) for i in range(2)]
+    store = ChunkStore(nodes, 2, seed=7)
+    cid = chunk_id(raw, 7)
+    store.put_encoded(cid, blob)
+    first = store.read_order(cid)[0]
+    first.put(cid, bad)  # the replica read first is the bad one
+    assert store.get(cid) == raw
+    store.close()

@@ -19,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fusefs.client.volume import Volume, VolumeSettings
 from fusefs.dcp import (
     CkptfsReader,
     CkptfsWriter,
@@ -27,7 +28,6 @@ from fusefs.dcp import (
     latest_step,
     parse_ckpt_path,
 )
-from fusefs.volume import Volume, VolumeSettings
 from metadata.engine import MetaError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -210,7 +210,7 @@ def test_failing_rank_leaves_previous_step(saved):
 
 def test_failed_step_chunks_are_collected_by_gc(saved, tmp_path):
     """Chunks written for the failed step belong to nothing: gc removes them, step 2 intact."""
-    from fusefs.gc import gc
+    from fusefs.maint.gc import gc
 
     vol, _, _ = saved
     with Volume.open(vol) as v:
@@ -375,7 +375,7 @@ def test_tensors_load_straight_into_their_targets(volume, tmp_path, slow_items):
     import glob
 
     from chunkstore import codec
-    from fusefs import dcp as d
+    from fusefs.dcp import envelope as d
 
     vol, staging = volume.base_dir, str(tmp_path / "staging")
     sd = {
@@ -412,7 +412,7 @@ def test_tensors_load_straight_into_their_targets(volume, tmp_path, slow_items):
     d_off = next(md.offset for idx, md in _storage(vol, staging).items() if idx.fqn == "d")
     d_chunk = next(e.chunk_id for e in d_id if e.offset <= d_off < e.offset + e.length)
     victim = next(p for p in cached if os.path.basename(p) == d_chunk.hex())
-    env = d._ENVELOPES[(torch.float32, (64, 32), (32, 1))]  # captured by the save
+    env = d.ENVELOPES[(torch.float32, (64, 32), (32, 1))]  # captured by the save
     with open(victim, "r+b") as f:  # flip a byte of the tensor data in the cached copy of "d"
         good = f.read()
         at = codec.HEADER + len(env.head) + 1000
@@ -426,7 +426,7 @@ def test_tensors_load_straight_into_their_targets(volume, tmp_path, slow_items):
     assert sorted(slow) == ["a", "b", "d"]
     with open(victim, "rb") as f:  # the bad copy was replaced by a good one (as the node
         assert codec.decode(f.read()) == codec.decode(good)  # encodes it: maybe compressed)
-    d._ENVELOPES.clear()  # forms not seen by this process's saves are captured on demand
+    d.ENVELOPES.clear()  # forms not seen by this process's saves are captured on demand
     out = load({k: torch.zeros_like(v) for k, v in sd.items() if k != "meta"} | {"meta": {"k": ""}})
     assert all(torch.equal(out[k], sd[k]) for k in "abcde")
     assert not {"a", "b", "c", "e"} & set(slow)
@@ -482,7 +482,7 @@ def test_mapped_cache_object_loads_in_place(tmp_path):
 
     from chunkstore import codec
     from chunkstore.cache import MAP_MIN, read_object
-    from fusefs.dcp import _load_in_place
+    from fusefs.dcp.envelope import load_in_place as _load_in_place
 
     t = torch.randn(MAP_MIN // 2)  # 2x MAP_MIN bytes of float32
     buf = io.BytesIO()
@@ -514,22 +514,22 @@ def test_saved_tensor_bytes_equal_torch_save_from_the_envelope_cache():
     import io
     import pickle
 
-    from fusefs import dcp as d
+    from fusefs.dcp import envelope as d
 
     def torch_bytes(t: torch.Tensor) -> bytes:
         buf = io.BytesIO()
-        w = torch._C.PyTorchFileWriter(buf, False, d._NO_CRC_SAVE)
+        w = torch._C.PyTorchFileWriter(buf, False, d.NO_CRC_SAVE)
         torch.serialization._save(t, w, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
         w.write_end_of_file()
         return buf.getvalue()
 
     def ours(t: torch.Tensor) -> bytes:
         buf = io.BytesIO()
-        d._save_tensor(t, buf)
+        d.save_tensor(t, buf)
         return buf.getvalue()
 
-    assert d._NO_CRC_SAVE is not None, "this torch's serialization internals changed"
-    d._ENVELOPES.clear()
+    assert d.NO_CRC_SAVE is not None, "this torch's serialization internals changed"
+    d.ENVELOPES.clear()
     plain = [
         lambda k: torch.randn(1000) + k,
         lambda k: (torch.randn(10, 30) + k).to(torch.bfloat16),
@@ -550,16 +550,16 @@ def test_saved_tensor_bytes_equal_torch_save_from_the_envelope_cache():
             assert got == torch_bytes(t), (t.dtype, tuple(t.shape), k)
             back = torch.load(io.BytesIO(got), weights_only=True)
             assert torch.equal(back.detach(), t.detach())
-    assert len(d._ENVELOPES) == len(plain)  # one envelope per plain form, none for the rest
+    assert len(d.ENVELOPES) == len(plain)  # one envelope per plain form, none for the rest
     # a tensor with Python attributes is not a plain form, even with a cached envelope
     t = torch.randn(1000)
     t.note = "x"
-    assert d._envelope_key(t) is None
+    assert d.envelope_key(t) is None
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_batch_hashing_keeps_each_chunk_with_its_id(tmp_path, workers):
-    """Volume.hash_many spreads a batch over the pool interleaved; every id must come back in
+    """ChunkSink.ids spreads a batch over the pool interleaved; every id must come back in
     its chunk's place, whatever the batch and pool sizes (an id in the wrong place would
     commit one chunk's extent under another's content)."""
     from chunkstore.ids import pieces_id
@@ -569,5 +569,5 @@ def test_batch_hashing_keeps_each_chunk_with_its_id(tmp_path, workers):
         for n in (0, 1, 2, 3, 5, 17):
             chunks = [[os.urandom(100 + 37 * i), memoryview(os.urandom(i))] for i in range(n)]
             want = [pieces_id(p, vol.seed) for p in chunks]
-            assert vol.hash_many(chunks) == want
+            assert vol.sink.ids(chunks) == want
             assert len(set(want)) == n

@@ -9,17 +9,17 @@ import pytest
 import trio
 import trio.testing
 
-from fusefs.filecache import (
+from fusefs.client.volume import Volume
+from fusefs.mount.blocks import (
     PIECE_MIN,
     PIECES_MAX,
     BufferPool,
     DirtyBlock,
-    FileCache,
     FileError,
     Pieces,
-    _parts,
+    parts_of,
 )
-from fusefs.volume import Volume
+from fusefs.mount.filecache import FileCache
 from metadata.engine import MetaError
 
 KiB = 1024
@@ -28,7 +28,7 @@ BLOCK = 4 * KiB * KiB
 
 def _content(blk: DirtyBlock) -> bytes:
     return (
-        b"".join(bytes(p) for p in _parts(blk.buf))
+        b"".join(bytes(p) for p in parts_of(blk.buf))
         if isinstance(blk.buf, Pieces)
         else bytes(blk.buf)
     )
@@ -215,7 +215,7 @@ def test_records_of_superseded_small_blocks_are_dropped_before_the_commit(vol):
     16 KiB a seal, and over the service such a commit outgrew the frame limit and failed
     for good. Records no extent names any more are dropped; the commit stores the last
     version, and the chunks of the versions before it are stored nowhere."""
-    from fusefs.filecache import RECORDS_MAX
+    from fusefs.mount.blocks import RECORDS_MAX
 
     attr = vol.write_file("/f", b"")
     versions = [os.urandom(8 * KiB) for _ in range(3 * RECORDS_MAX)]
@@ -234,5 +234,5 @@ def test_records_of_superseded_small_blocks_are_dropped_before_the_commit(vol):
 
     _run(vol, attr, body)
     assert vol.read_file("/f") == versions[-1]
-    old = vol.hash_many(versions[:-1])
+    old = vol.sink.ids(versions[:-1])
     assert vol.meta.missing_chunks(old) == set(old)

@@ -11,10 +11,10 @@ import pytest
 
 from chunkstore import codec
 from chunkstore.ids import chunk_id
-from fusefs.cli import main
-from fusefs.fsck import check_volume
-from fusefs.gc import gc
-from fusefs.scrub import scrub
+from fusefs.cli.main import main
+from fusefs.maint.fsck import check_volume
+from fusefs.maint.gc import gc
+from fusefs.maint.scrub import scrub
 from metadata.engine import STAGED
 
 
@@ -272,7 +272,7 @@ def test_gc_spares_chunk_a_writer_just_deduplicated(make_volume):
     vol.write_file("/a", data)
     vol.unlink("/a")
     time.sleep(1.2)
-    ids = vol.hash_many([data[: 64 * 1024], data[64 * 1024 :]])
+    ids = vol.sink.ids([data[: 64 * 1024], data[64 * 1024 :]])
     assert vol.meta.missing_chunks(ids) == set()  # a writer dedups: timers restart
     assert gc(vol, grace=1.0).rows_deleted == 0
     vol.write_file("/b", data)  # commits against the kept chunks without storing them

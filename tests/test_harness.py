@@ -168,6 +168,8 @@ def test_cli_json_and_exit_status(tmp_path):
             "1",
             "--data",
             "bf16",
+            "--durability",
+            "remote",  # encoded on the way (a local tier stages raw, compresses at upload)
             "--json",
             str(out),
             "--workdir",

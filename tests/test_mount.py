@@ -250,7 +250,7 @@ def test_directory_remade_while_the_old_one_is_held_open(mounted):
     kernel must not take it for the removed one), the removed one still answers fstat
     with no links (as on ext4) and takes no new entries, and nothing of it is left once
     it is let go."""
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
 
     d = os.path.join(mounted.mp, "out")
     os.mkdir(d)
@@ -387,7 +387,7 @@ def test_many_writers_at_once(mounted):
 def test_concurrent_identical_writers_store_each_chunk_once(mounted):
     """Grouped existence checks: blocks sealed together are asked about together, and
     writers racing on the same content still end up sharing one copy of each chunk."""
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
 
     payload = os.urandom(12 * MiB)  # three 4 MiB chunks
     errors: list[BaseException] = []
@@ -796,8 +796,8 @@ def test_parallel_sequential_readers_fetch_each_chunk_about_once(tmp_path):
 
     import trio
 
-    from fusefs.filecache import FileCache
-    from fusefs.volume import Volume, VolumeSettings
+    from fusefs.client.volume import Volume, VolumeSettings
+    from fusefs.mount.filecache import FileCache
 
     block = 64 * 1024
     vol = Volume.create(str(tmp_path / "vol"), nodes=2, settings=VolumeSettings(chunk_size=block))
@@ -978,7 +978,7 @@ def test_small_files_are_stored_inline_and_survive_a_kill(new_volume, mount_fact
     of the daemon keep every closed file; gc drops the bytes of a removed one."""
     import json
 
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
     from metadata.engine import INLINE, INLINE_DATA_MAX
 
     vol = new_volume()

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from chunkstore.store import ChunkUnavailable
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 from metadata.client import connect
 from metadata.engine import ROOT_INO, Extent, MetaError, NewChunk
 
@@ -189,7 +189,7 @@ def test_pending_refs_never_let_gc_or_fsck_lose_a_chunk(vol):
     d = _cid(b"trunc")
     m.commit_rank("j", 3, 0, _files("t", [d], [d]))
     assert m.pending_refs() == 1
-    ino = vol.stat("j/step-000003/t/f").ino
+    ino = vol.resolve("j/step-000003/t/f").ino
     m.setattr(ino, size=0)
     assert m.chunk_info([d])[d][2] == 0
     assert m.get_extents(ino) == []
@@ -835,7 +835,7 @@ def test_a_bad_inline_copy_does_not_hide_the_chunk_on_the_nodes(vol):
     extents asked the metadata first and failed on it, though two good replicas were on
     the nodes. They read the nodes instead. A bad copy of an inline chunk, which has no
     other, is an error that names the metadata."""
-    from fusefs.volume import FileWriter
+    from fusefs.client.volume import FileWriter
     from metadata.engine import INLINE
 
     data = os.urandom(3000)
@@ -853,7 +853,7 @@ def test_a_bad_inline_copy_does_not_hide_the_chunk_on_the_nodes(vol):
 
     g = vol.meta.create(ROOT_INO, b"g", stat.S_IFREG | 0o644, 0, 0)
     tiny = os.urandom(100)
-    t = NewChunk.inline(vol.hash_many([tiny])[0], tiny)
+    t = NewChunk.inline(vol.sink.ids([tiny])[0], tiny)
     vol.meta.commit_file(g.ino, [Extent(0, 100, t.chunk_id)], 100, [t])
     assert vol.meta.chunk_info([t.chunk_id])[t.chunk_id][3] == INLINE
     with vol.meta._tx() as c:

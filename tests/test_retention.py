@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from fusefs.fsck import check_volume
-from fusefs.gc import gc
-from metadata.engine import Extent, MetaError
+from fusefs.maint.fsck import check_volume
+from fusefs.maint.gc import gc
+from metadata.engine import MetaError
 
 KiB = 1024
 
@@ -24,17 +24,12 @@ def _save_step(vol, job: str, step: int, *, ranks: int = 2, size: int = 192 * Ki
     for rank in range(ranks):
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
         chunker = vol.make_chunker()
-        raws = chunker.feed(data) + chunker.finish()
-        ids = vol.hash_many(raws)
-        missing = vol.meta.missing_chunks(ids)
-        new, extents, off = [], [], 0
-        for cid, raw in zip(ids, raws, strict=True):
-            if cid in missing:
-                new.append(vol.store_chunk(cid, raw))
-                missing.discard(cid)
-            extents.append(Extent(off, len(raw), cid, 0))
-            off += len(raw)
-        files = [{"path": f"rank{rank}.bin", "size": off, "extents": extents, "new_chunks": new}]
+        stream = vol.sink.stream(inline=False)  # the chunk path every writer takes
+        for raw in chunker.feed(data) + chunker.finish():
+            stream.add([raw], len(raw))
+        stream.finish()
+        vol.sink.sync()
+        files = [stream.record(f"rank{rank}.bin")]
         vol.meta.commit_rank(job, step, rank, files, host="test")
 
 
@@ -74,7 +69,7 @@ def test_hard_link_outside_the_step_survives_delete(make_volume):
     vol.meta.delete_checkpoint("job", 1)
     gc(vol, grace=0)
     assert vol.read_file("kept.bin") == want
-    assert vol.stat("kept.bin").nlink == 1
+    assert vol.resolve("kept.bin").nlink == 1
     assert check_volume(vol).as_dict()["problems"] == []
 
 
@@ -87,7 +82,7 @@ def test_fifty_steps_keep_last_three_policy_then_gc(make_volume):
     assert _published(vol, "train") == [48, 49, 50]
     gc(vol, grace=0)
     st = vol.stats()
-    kept = [vol.stat(f"train/step-{s:06d}/rank{r}.bin") for s in (48, 49, 50) for r in range(2)]
+    kept = [vol.resolve(f"train/step-{s:06d}/rank{r}.bin") for s in (48, 49, 50) for r in range(2)]
     kept_ids = {e.chunk_id for a in kept for e in vol.meta.get_extents(a.ino)}
     kept_bytes = sum(a.size for a in kept)
     info = vol.meta.chunk_info(list(kept_ids))
@@ -138,7 +133,7 @@ def test_cli_delete_and_retain(tmp_path, make_volume):
 
 
 def test_policy_and_delete_through_the_service(tmp_path, meta_server, monkeypatch):
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
 
     Volume.create(str(tmp_path / "vol"), nodes=2, settings=None).close()
     server = meta_server(tmp_path / "vol")

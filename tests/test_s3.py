@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from chunkstore.node import NodeError, ObjectMissing, parse_node_url
-from chunkstore.s3node import S3Node
-from fusefs.cli import main
-from fusefs.volume import Volume, VolumeSettings
+from chunkstore.nodes import NodeError, ObjectMissing, parse_node_url
+from chunkstore.nodes.s3 import S3Node
+from fusefs.cli.main import main
+from fusefs.client.volume import Volume, VolumeSettings
 from metadata.engine import INLINE_DATA_MAX
 
 CHUNK = 256 * 1024
@@ -218,3 +218,31 @@ def test_fsck_on_s3_finds_injected_problems(tmp_path, seaweed, capsys):
     ]
     assert fsck(vol_dir, capsys, "--grace", "0", "--repair")[0] == 0
     assert fsck(vol_dir, capsys, "--grace", "0")[1]["problems"] == []
+
+
+def test_credentials_are_given_by_reference_never_stored(tmp_path, seaweed, capsys):
+    """Keys on a node URL were stored in the volume config, handed to every client by
+    get_config and echoed in errors. They are refused (without echoing them); a
+    credentials file (not readable by others) or a profile names them instead."""
+    base = seaweed.urls(1)[0]
+    secret = "S3CR3T-value-never-shown"
+    vol = tmp_path / "vol"
+    rc = main(["format", str(vol), "--node", f"{base}&access_key=AK&secret_key={secret}"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "by reference" in err and secret not in err and "AK" not in err
+    assert not vol.exists()
+    creds = tmp_path / "creds"
+    creds.write_text(f"[default]\naws_access_key_id = any\naws_secret_access_key = {secret}\n")
+    creds.chmod(0o644)
+    url = f"{base}&credentials_file={creds}"
+    assert main(["format", str(vol), "--node", url, "--replicas", "1"]) == 1
+    assert "readable by others" in capsys.readouterr().err and not vol.exists()
+    creds.chmod(0o600)
+    assert main(["format", str(vol), "--node", url, "--replicas", "1"]) == 0
+    with Volume.open(str(vol)) as v:
+        assert secret not in json.dumps(v.meta.get_config())
+        v.write_file("/f", b"x" * 100_000)
+        assert v.read_file("/f") == b"x" * 100_000
+    for p in vol.rglob("*"):
+        if p.is_file():
+            assert secret.encode() not in p.read_bytes(), p

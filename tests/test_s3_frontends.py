@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from fusefs.volume import Volume, VolumeSettings
+from fusefs.client.volume import Volume, VolumeSettings
 from metadata.engine import INLINE
 from tests.fixtures.mount import run_cli
 from tests.test_dcp import CHUNK, assert_checks, launch

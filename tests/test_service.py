@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 from metadata.client import connect
 from metadata.engine import INLINE, Extent, MetaError, NewChunk
 from metadata.protocol import (

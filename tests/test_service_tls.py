@@ -13,7 +13,7 @@ import time
 import pytest
 
 from bench.servers.metaserve import self_signed
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 from metadata.client import connect
 from metadata.engine import MetaError
 from metadata.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from chunkstore.store import ChunkUnavailable
-from fusefs.volume import Volume, VolumeError, VolumeSettings
+from fusefs.client.volume import Volume, VolumeError, VolumeSettings
 from metadata.engine import MetaError
 
 MiB = 2**20
@@ -37,7 +37,7 @@ def test_roundtrip_sizes(volume):
     for n in (0, 1, 4 * MiB - 1, 4 * MiB, 4 * MiB + 1, 13 * MiB + 5):
         data = _random(n, n)
         _put_stream(volume, f"/f{n}", data)
-        assert volume.stat(f"/f{n}").size == n
+        assert volume.resolve(f"/f{n}").size == n
         assert volume.read_file(f"/f{n}") == data
 
 
@@ -126,7 +126,7 @@ def test_flipped_byte_is_served_from_other_replica(make_volume):
     vol = make_volume(nodes=4, replicas=2, compression="none")
     data = _random(4 * MiB, 20)
     _put_stream(vol, "/x", data)
-    (ext,) = vol.meta.get_extents(vol.stat("/x").ino)
+    (ext,) = vol.meta.get_extents(vol.resolve("/x").ino)
     first = vol.store.nodes.index(vol.store.placement(ext.chunk_id)[0])
     path = _object_path(vol, first, ext.chunk_id)
     with open(path, "r+b") as f:
@@ -144,7 +144,7 @@ def test_corruption_with_one_replica_is_an_error(make_volume):
     vol = make_volume(nodes=2, replicas=1, compression="none")
     data = _random(2 * MiB, 21)
     _put_stream(vol, "/x", data)
-    (ext,) = vol.meta.get_extents(vol.stat("/x").ino)
+    (ext,) = vol.meta.get_extents(vol.resolve("/x").ino)
     idx = vol.store.nodes.index(vol.store.placement(ext.chunk_id)[0])
     path = _object_path(vol, idx, ext.chunk_id)
     with open(path, "r+b") as f:
@@ -159,7 +159,7 @@ def test_truncated_object_is_an_error_not_short_data(make_volume):
     vol = make_volume(nodes=1, replicas=1, compression="zstd")
     data = b"abc" * 500_000
     _put_stream(vol, "/x", data)
-    (ext,) = vol.meta.get_extents(vol.stat("/x").ino)
+    (ext,) = vol.meta.get_extents(vol.resolve("/x").ino)
     path = _object_path(vol, 0, ext.chunk_id)
     size = os.path.getsize(path)
     os.truncate(path, size // 2)
@@ -230,3 +230,34 @@ def test_stats_keys(volume):
     assert st["logical_bytes"] == 8 * MiB
     assert st["unique_chunks"] == 1  # two identical zero chunks
     assert st["stored_bytes"] < 64 * 1024  # zeros compress
+
+
+def test_a_store_remembers_a_bounded_number_of_bad_replicas(make_volume):
+    """A long-running process (a mount) used to keep every bad replica it ever met."""
+    from chunkstore.store import BAD_REPLICAS_KEPT, BadReplica
+
+    vol = make_volume(nodes=2, replicas=1)
+    for i in range(BAD_REPLICAS_KEPT + 500):
+        vol.store._report(BadReplica(i.to_bytes(16, "big"), "n0", "test", False))
+    assert len(vol.store.bad_replicas) == BAD_REPLICAS_KEPT
+    assert vol.store.bad_replicas_seen == BAD_REPLICAS_KEPT + 500
+    assert vol.store.bad_replicas[-1].cid == (BAD_REPLICAS_KEPT + 499).to_bytes(16, "big")
+
+
+def test_the_mount_forgets_page_generations_with_the_inode(make_volume):
+    """The kernel drops an inode's pages when it forgets the inode: so does the mount's map
+    (it grew by every file ever opened)."""
+    import trio
+
+    from fusefs.mount.fs import CkptFS
+
+    vol = make_volume(nodes=2, replicas=1)
+    fs = CkptFS(vol, "/nonexistent")
+    for ino in range(100, 200):
+        fs.lookups[ino] = 2
+        fs.page_gen[ino] = 1
+    trio.run(fs.forget, [(ino, 2) for ino in range(100, 150)] + [(150, 1)])
+    assert sorted(fs.page_gen) == list(range(150, 200))
+    assert fs.lookups[150] == 1
+    if fs.local is not None:
+        fs.local.close()

@@ -19,20 +19,20 @@ import pytest
 import chunkstore.cache
 from bench.throttle import read_counts, throttle_volume
 from chunkstore import codec
-from chunkstore.writeback import (
+from chunkstore.tier.journal import (
     INLINE_MAX,
     KIND_DONE,
     KIND_PENDING,
     REC_SIZE,
-    SEGMENT_SUFFIXES,
+    SEGMENT_SUFFIX,
     GroupSync,
     pack_inline,
     pack_record,
     parse_segment,
     read_segment,
 )
-from fusefs.cli import main as cli_main
-from fusefs.volume import FileWriter, Volume, VolumeSettings
+from fusefs.cli.main import main as cli_main
+from fusefs.client.volume import FileWriter, Volume, VolumeSettings
 
 MiB = 2**20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,7 +63,7 @@ def _check_journals(staging: str) -> int:
     pending = 0
     jdir = os.path.join(staging, "journal")
     for name in os.listdir(jdir):
-        if not name.endswith(SEGMENT_SUFFIXES):
+        if not name.endswith(SEGMENT_SUFFIX):
             continue
         st = read_segment(os.path.join(jdir, name))
         for cid, (size, _t) in st.pending.items():
@@ -106,6 +106,29 @@ def test_journal_torn_tail_and_corrupt_record_are_ignored():
     bad[-10] ^= 0xFF  # a flipped bit in the last record: checksum fails, record ignored
     st2 = parse_segment(bytes(bad))
     assert st2.torn and c not in st2.pending
+
+
+def test_a_damaged_record_in_the_middle_keeps_the_records_after_it():
+    """A damaged run used to end the replay: every record after it was lost, and the chunks
+    they named were never uploaded nor cleaned."""
+    a, b, c, d = (bytes([i]) * 16 for i in (1, 2, 3, 4))
+    small = os.urandom(3000)
+    recs = [
+        pack_record(KIND_PENDING, a, 10, 1),
+        pack_record(KIND_PENDING, b, 20, 2),
+        pack_inline(c, small, 3),
+        pack_record(KIND_DONE, a, 0, 4),
+        pack_record(KIND_PENDING, d, 40, 5),
+    ]
+    data = bytearray(b"".join(recs))
+    data[len(recs[0]) + 5] ^= 0x40  # inside b's record
+    st = parse_segment(bytes(data))
+    assert st.corrupt == 1 and st.skipped == len(recs[1]) and not st.torn
+    assert st.pending == {c: (3000, 3), d: (40, 5)} and st.inline == {c: small}
+    assert set(st.done) == {a} and st.records == 4
+    data[-len(recs[-1]) - 3] ^= 0x01  # and the CRC of a's D record: two runs, a comes back
+    st = parse_segment(bytes(data))
+    assert st.corrupt == 2 and a in st.pending and d in st.pending
 
 
 def test_journal_inline_records_carry_their_bytes_checksummed():
@@ -273,7 +296,7 @@ def test_remote_durability_is_durable_on_return(vol_path, tmp_path):
 
 WRITER = r"""
 import sys, time, numpy as np
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 from bench.throttle import throttle_volume
 vol = Volume.open(sys.argv[1])
 throttle_volume(vol, float(sys.argv[3]))
@@ -321,7 +344,7 @@ def test_kill9_mid_upload_then_recovery_uploads_everything(vol_path, tmp_path):
         assert vol.stats()["staged_chunks"] == 0
         assert tier.stats()["lost_chunks"] == 0
     journal = os.listdir(os.path.join(staging, "journal"))
-    assert [n for n in journal if n.endswith(SEGMENT_SUFFIXES)] == []
+    assert [n for n in journal if n.endswith(SEGMENT_SUFFIX)] == []
     with Volume.open(vol_path) as plain:
         for i, d in enumerate(datas):
             assert plain.read_file(f"/f{i}") == d
@@ -438,7 +461,7 @@ def test_housekeeping_reports_a_full_disk_once_and_recovers(vol_path, tmp_path, 
 
 READER = r"""
 import hashlib, os, sys, time
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 from bench.throttle import throttle_volume
 vol = Volume.open(sys.argv[1])
 throttle_volume(vol, 200e6, count_file=sys.argv[3])
@@ -622,7 +645,7 @@ def test_a_save_of_known_content_holds_the_uploaders_off(vol_path, tmp_path):
         end = time.monotonic() + 1.5  # three times idle_s
         asked = 0
         while time.monotonic() < end:
-            assert v.missing_chunks(known) == set()
+            assert v.sink.missing(known) == set()
             asked += 1
             time.sleep(0.02)
             assert v.tier.uploaded_chunks == uploaded, asked
@@ -740,7 +763,7 @@ UNSYNCED_CHILD = r"""
 import sys, time
 from chunkstore import codec
 from chunkstore.ids import chunk_id
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 vol = Volume.open(sys.argv[1])
 vol.attach_tier(sys.argv[2], size=64 * 2**20)
 for s in range(3):
@@ -778,7 +801,7 @@ def test_kill9_before_sync_leaves_no_journal_reference(vol_path, tmp_path):
 
 SMALL_CHILD = r"""
 import sys, time
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
 vol = Volume.open(sys.argv[1])
 vol.attach_tier(sys.argv[2], size=64 * 2**20, idle_s=600)  # nothing uploads before the kill
 for i in range(6):
@@ -796,7 +819,7 @@ def test_small_chunks_journaled_with_their_bytes_survive_lost_staged_files(vol_p
     staging = str(tmp_path / "staging")
     _kill9_once(SMALL_CHILD, "SAVED", vol_path, staging)
     jdir = os.path.join(staging, "journal")
-    (seg,) = [n for n in os.listdir(jdir) if n.endswith(SEGMENT_SUFFIXES)]
+    (seg,) = [n for n in os.listdir(jdir) if n.endswith(SEGMENT_SUFFIX)]
     st = read_segment(os.path.join(jdir, seg))
     assert len(st.inline) == len(st.pending) == 6  # every chunk journaled with its bytes
     staged = os.path.join(staging, "staged")
@@ -852,7 +875,7 @@ def test_compaction_copies_inline_records_from_the_journal(vol_path, tmp_path):
 def test_a_journal_write_cut_short_by_a_full_disk_leaves_no_fragment(tmp_path, monkeypatch):
     """A partial append is cut off again: a fragment would hide every later record from a
     replay and shift the offsets compaction copies I records from."""
-    import chunkstore.writeback as wb
+    import chunkstore.tier.journal as wb
 
     seg = wb.Segment(str(tmp_path), "host-1-x.jnl")
     a, b, c = (bytes([i]) * 16 for i in (1, 2, 3))
@@ -908,26 +931,6 @@ def test_an_inline_chunk_replaces_garbage_under_its_name_durably(vol_path, tmp_p
         vol.close()
 
 
-def test_a_segment_of_the_previous_format_is_adopted(vol_path, tmp_path):
-    """Segments named .log (no I records) from before are still adopted."""
-    staging = str(tmp_path / "staging")
-    vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
-    cid, raw = _raw_chunk(vol, 200_000, 3)
-    vol.close()
-    blob = codec.encode(raw, "none")
-    with open(os.path.join(staging, "staged", cid.hex()), "wb") as f:
-        f.write(blob)
-    with open(os.path.join(staging, "journal", "oldhost-1-abc.log"), "wb") as f:
-        f.write(pack_record(KIND_PENDING, cid, len(blob), time.time_ns()))
-    vol = _open(vol_path, staging, size=64 * MiB)
-    try:
-        assert vol.tier.stats()["pending_chunks"] == 1
-        vol.tier.flush(timeout=60)
-        assert vol.store.get(cid) == raw
-    finally:
-        vol.close()
-
-
 def test_transcode_at_upload_and_raw_reads_verified(vol_path, tmp_path):
     """A chunk staged raw is compressed on its way to the nodes; a corrupt raw cached copy
     is never returned (the id check covers the payload), it is refetched."""
@@ -964,7 +967,7 @@ def test_transcode_at_upload_and_raw_reads_verified(vol_path, tmp_path):
 def test_compressed_at_upload_reports_stored_size(tmp_path):
     """A chunk staged raw and compressed by the uploader: stats count its size on the nodes."""
     from chunkstore import codec as _codec
-    from fusefs.volume import Volume as _Volume
+    from fusefs.client.volume import Volume as _Volume
 
     def transcode(blob: bytes, width: int | None) -> bytes:
         return _codec.encode(_codec.decode(blob), "zstd")
@@ -978,3 +981,82 @@ def test_compressed_at_upload_reports_stored_size(tmp_path):
         assert st["staged_chunks"] == 0
         assert st["stored_bytes"] < 64 * 1024, st  # the zstd size on the nodes
         assert vol.read_file("/zeros") == bytes(8 * 2**20)
+
+
+def test_compaction_closes_the_replaced_segment_files(tmp_path):
+    """Each compaction used to keep the old segment's fd open until the tier closed: a
+    long-running tier leaked one fd, and the unlinked file's blocks, per compaction."""
+    from chunkstore.tier.journal import Segment
+
+    seg = Segment(str(tmp_path), "host-1-x.jnl")
+    ids = [bytes([i]) * 16 for i in range(10)]
+    before = len(os.listdir("/proc/self/fd"))
+    for step in range(40):
+        seg.add_pending([(c, 4096, step + 1) for c in ids], {})
+        seg.add_done(ids[:5])
+        seg.compact()
+    assert len(os.listdir("/proc/self/fd")) <= before
+    assert set(read_segment(seg.path).pending) == set(ids[5:])  # the live records survive
+    seg.close(remove=True)
+
+
+def test_a_sync_waiting_on_a_retired_file_returns_once_its_fsync_is_done():
+    """GroupSync.retire: the running fsync finishes before the fd is closed; callers queued
+    behind it return without another fsync (their records are durable in the new file)."""
+    import threading
+
+    release, started = threading.Event(), threading.Event()
+    calls, events = [], []
+
+    def slow_fsync():
+        calls.append(1)
+        started.set()
+        assert release.wait(10)
+        events.append("fsync done")
+
+    gs = GroupSync(slow_fsync)
+    first = threading.Thread(target=gs.sync)
+    first.start()
+    assert started.wait(10)
+    queued = threading.Thread(target=gs.sync)
+    queued.start()
+    retiring = threading.Thread(target=gs.retire, args=(lambda: events.append("closed"),))
+    retiring.start()
+    release.set()
+    for t in (first, queued, retiring):
+        t.join(10)
+        assert not t.is_alive()
+    assert calls == [1] and events == ["fsync done", "closed"]
+    gs.sync()  # retired: returns at once
+    assert calls == [1]
+
+
+def test_a_staged_chunk_whose_record_was_lost_is_uploaded(vol_path, tmp_path):
+    """reconcile_staged: a staged file that no journal names any more (its record was in
+    a damaged run) is checked and uploaded by the next tier; a corrupt one is removed."""
+    staging = str(tmp_path / "staging")
+    vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
+    cid, raw = _raw_chunk(vol, 300_000, 5)
+    bad_cid, bad_raw = _raw_chunk(vol, 300_000, 6)
+    vol.tier.put(cid, codec.encode(raw, "none"))
+    vol.tier.put(bad_cid, codec.encode(bad_raw, "none"))
+    seg = vol.tier.seg.path
+    vol.close()  # nothing uploaded (idle_s=600): both chunks pending in the journal
+    with open(seg, "r+b") as f:  # damage both P records
+        data = bytearray(f.read())
+        for i in range(0, len(data), REC_SIZE):
+            data[i + 10] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+    with open(os.path.join(staging, "staged", bad_cid.hex()), "r+b") as f:
+        f.seek(5000)
+        f.write(b"\0" * 16)
+    vol = _open(vol_path, staging, size=64 * MiB, idle_s=600)
+    try:
+        assert vol.tier.stats()["pending_chunks"] == 0  # young files: left to their writer
+        assert vol.tier.reconcile_staged(min_age=0) == 1
+        assert not os.path.exists(os.path.join(staging, "staged", bad_cid.hex()))
+        vol.tier.flush(timeout=60)
+        assert vol.store.get(cid) == raw
+    finally:
+        vol.close()

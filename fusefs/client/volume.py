@@ -1,67 +1,52 @@
-"""The volume client both frontends share: files as streams of deduplicated chunks.
+"""The volume client every frontend shares: a namespace by path over files of chunks.
 
-A Volume joins a metadata engine (in-process SQLite, PostgreSQL, or the
-network client: one interface) with a ChunkStore over the volume's object
-nodes. Writing a file runs a small pipeline per writer:
-
-    feed -> chunker -> batch of B chunks -> ids hashed in the worker pool
-         -> one `missing_chunks` query per batch -> new chunks encoded and
-            stored by pool tasks (bounded in-flight bytes) -> on close, one
-            `commit_file` transaction with the extents and the new chunks.
-
-Hashing and zstd release the GIL (see chunkstore.codec), so pool threads use
-both cores. Memory is bounded by the chunker (one chunk) plus the in-flight
-window, whatever the file size.
+A Volume joins a metadata engine (in-process SQLite, PostgreSQL, or the network client:
+one interface, metadata.engine) with a ChunkStore over the volume's object nodes and,
+optionally, the host's write-behind tier. Chunks are written through its one sink
+(fusefs.client.sink: used by FileWriter, the DCP writer and the mount) and read through
+`fetch_chunk` (verified; the host read cache when a tier is attached; waits for a chunk
+still staged on another host). Hashing and zstd release the GIL (chunkstore.codec), so the
+pool's threads use every core.
 """
 
 from __future__ import annotations
 
-import bisect
 import errno
 import json
 import logging
 import os
 import secrets
+import shutil
 import stat
-import threading
 import time
 import uuid
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from chunkstore import codec
 from chunkstore.chunker import MAX_CHUNK, MIN_CHUNK, make_chunker
-from chunkstore.ids import chunk_id, pieces_id
-from chunkstore.node import NodeInfo, ObjectNode, open_node, parse_node_url
+from chunkstore.ids import chunk_id
+from chunkstore.nodes import NodeError, NodeInfo, ObjectNode, open_node, parse_node_url
 from chunkstore.store import ChunkStore, ChunkUnavailable
+from fusefs.client.reader import FileReader
+from fusefs.client.sink import ChunkSink
+from fusefs.client.writer import FileWriter
 from metadata.engine import (
-    DURABLE,
     INLINE,
-    INLINE_DATA_MAX,
     ROOT_INO,
     STAGED,
     Attr,
-    Extent,
     MetaEngine,
     MetaError,
-    NewChunk,
     check_name,
 )
+from metadata.engines import EngineURLError, open_engine
 
 log = logging.getLogger("ckptfs.volume")
 
 VOLUME_FILE = "volume.json"
 FORMAT_VERSION = 1
-HASH_BATCH = 8  # chunks per "which exist?" query
-INFLIGHT_BYTES = 64 * 2**20  # raw bytes being encoded/stored per writer
-# Chunks are stored unsynced and acknowledged in one batch before the commit; a long
-# write syncs every UNSYNCED_MAX bytes (a quarter of a write-behind tier's budget, if
-# smaller) so it never holds more than that unacknowledged: the tier can neither upload
-# nor evict an unacknowledged chunk, and a full staging of them could never drain.
-UNSYNCED_MAX = 256 * 2**20
 # A chunk that the metadata knows but no node holds yet is staged in some host's write-behind
 # tier (a file closed on another host a moment ago). A read waits this long for that tier's
 # upload (it drains after half a second without writes, or after 30 s of unbroken writes)
@@ -145,6 +130,7 @@ class Volume:
         self.workers = workers or 8  # threads of `pool`
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ckptfs-chunk")
         self.tier = None  # the write-behind tier, when one is attached
+        self.sink = ChunkSink(self)
 
     # -- opening -------------------------------------------------------------
     @classmethod
@@ -191,22 +177,39 @@ class Volume:
             "cdc_max": settings.cdc_max,
             "nodes": [{"name": i.name, "url": i.url, "domain": i.domain} for i in infos],
         }
-        os.makedirs(path, exist_ok=True)
         meta_url = db or "sqlite:meta.db"
-        meta = _open_engine(meta_url, path)
-        meta.init_volume(config)
-        nodes_objs = [open_node(i, path) for i in infos]
-        for n in nodes_objs:
-            ensure = getattr(n, "ensure", None)
-            if ensure:
-                ensure()
-        tmp = os.path.join(path, VOLUME_FILE + ".tmp")
-        # not for others (0660 less the umask): a PostgreSQL URL may carry its password
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
-            json.dump({"format": FORMAT_VERSION, "meta": meta_url}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(path, VOLUME_FILE))
+        fresh = not os.path.exists(path)
+        before = set() if fresh else set(os.listdir(path))
+        meta: MetaEngine | None = None
+        nodes_objs: list[ObjectNode] = []
+        try:
+            os.makedirs(path, exist_ok=True)
+            # Nodes first: an unreachable node must fail the format before any metadata
+            # exists (it used to leave meta.db without volume.json, and a traceback).
+            for info in infos:
+                node = open_node(info, path)
+                nodes_objs.append(node)
+                ensure = getattr(node, "ensure", None)
+                if ensure:
+                    ensure()
+            meta = _open_engine(meta_url, path)
+            meta.init_volume(config)
+            tmp = os.path.join(path, VOLUME_FILE + ".tmp")
+            # not for others (0660 less the umask): a PostgreSQL URL may carry its password
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
+                json.dump({"format": FORMAT_VERSION, "meta": meta_url}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.rename(tmp, os.path.join(path, VOLUME_FILE))
+        except BaseException as e:
+            if meta is not None:
+                meta.close()
+            for node in nodes_objs:
+                node.close()
+            _remove_new(path, fresh, before)
+            if isinstance(e, NodeError | OSError | ValueError) and not isinstance(e, VolumeError):
+                raise VolumeError(f"cannot format {path}: {e}") from None
+            raise
         return cls(meta, config, base_dir=path, nodes=nodes_objs)
 
     @classmethod
@@ -251,11 +254,11 @@ class Volume:
         durability: str = "local",
         **kw,
     ):
-        """Put the host write-behind tier (chunkstore.writeback) under this volume.
+        """Put the host write-behind tier (chunkstore.tier.tier) under this volume.
 
         Uploaded chunks are marked durable in the metadata in batches; ids the metadata does
         not know yet (file not committed) are handed back to the tier to retry."""
-        from chunkstore.writeback import WriteBehindTier, default_staging_dir
+        from chunkstore.tier.tier import WriteBehindTier, default_staging_dir
 
         if self.tier is not None:
             raise VolumeError("a write-behind tier is already attached")
@@ -315,9 +318,6 @@ class Volume:
             if not attr.is_dir:
                 raise MetaError(errno.ENOTDIR, f"{name!r} in {path!r} is not a directory")
         return attr, parts[-1]
-
-    def stat(self, path: str) -> Attr:
-        return self.resolve(path)
 
     def exists(self, path: str) -> bool:
         try:
@@ -428,68 +428,6 @@ class Volume:
         s = self.settings
         return make_chunker(s.chunking, s.chunk_size, min_size=s.cdc_min, max_size=s.cdc_max)
 
-    def hash_many(self, chunks: list[Any]) -> list[bytes]:
-        """The ids of a batch of chunks, each one buffer or a list of pieces (pieces_id).
-
-        Hashed on the pool in one task per worker (interleaved, so big and small chunks
-        spread evenly) rather than one per chunk: each task is a wake-up and a GIL handoff,
-        and eight DCP ranks on two cores pay for every one."""
-        seed = self.seed
-
-        def ids(part: list[Any]) -> list[bytes]:
-            return [pieces_id(c, seed) if isinstance(c, list) else chunk_id(c, seed) for c in part]
-
-        n = min(len(chunks), self.workers)
-        if n <= 1:
-            return ids(chunks)
-        out: list[bytes] = [b""] * len(chunks)
-        for k, part in enumerate(self.pool.map(lambda k: ids(chunks[k::n]), range(n))):
-            out[k::n] = part
-        return out
-
-    def missing_chunks(self, ids: list[bytes]) -> set[bytes]:
-        """Which of these chunks the volume lacks, asked by a writer about to store them;
-        the rest are written already (dedup). Asking counts as a foreground write for the
-        host's tier: see WriteBehindTier.foreground."""
-        if self.tier is not None:
-            self.tier.foreground()
-        return self.meta.missing_chunks(ids)
-
-    def store_chunk(
-        self,
-        cid: bytes,
-        raw: bytes,
-        codec_name: str | None = None,
-        elem_width: int | None = None,
-        *,
-        sync: bool = True,
-        inline: bool = False,
-    ) -> NewChunk:
-        """Encode and store one chunk (blocking); returns its record for commit.
-
-        inline=True (a writer committing with commit_file): a chunk of at most INLINE_DATA_MAX
-        bytes is not stored here; its record carries the bytes into the commit that names it
-        (INLINE), which keeps them in the metadata. Checkpoint commits carry no bytes.
-        `elem_width` is a float-width hint (DCP knows each tensor's dtype; probing costs more).
-        sync=False: durable only after the next `sync_chunks()`, which the writer must call
-        before the commit that names the chunk (one batch of fsyncs per commit)."""
-        if inline and len(raw) <= INLINE_DATA_MAX:
-            return NewChunk.inline(cid, raw)
-        blob = codec.encode(raw, codec_name or self.settings.compression, elem_width=elem_width)
-        if self.tier is not None:
-            state = self.tier.put(cid, blob, sync=sync)
-        else:
-            self.store.put_encoded(cid, blob, sync=sync)
-            state = DURABLE
-        return NewChunk(cid, len(raw), len(blob), state)
-
-    def sync_chunks(self) -> None:
-        """Acknowledge every chunk stored with sync=False (tier staging or object nodes)."""
-        if self.tier is not None:
-            self.tier.sync_staged()
-        else:
-            self.store.sync()
-
     def read_chunk_into(self, cid: bytes, views: list[memoryview]) -> bool:
         """A chunk's raw bytes read into `views` from this host's tier, if it holds the chunk
         uncompressed; False otherwise (then fetch_chunk), with the views maybe overwritten."""
@@ -577,255 +515,28 @@ class Volume:
         return None if info is None else info[3]
 
 
-def maybe_inline(e: Extent) -> bool:
-    """Can the chunk this extent names be inline? Only if the extent is small: an inline
-    chunk has at most INLINE_DATA_MAX bytes, and an extent covers part of its chunk at most."""
-    return e.length <= INLINE_DATA_MAX
-
-
 def _open_engine(url: str, base_dir: str) -> MetaEngine:
-    if url.startswith("sqlite:"):
-        import sqlite3
-
-        from metadata.sqlite import SqliteEngine
-
-        db = url[len("sqlite:") :]
-        path = db if os.path.isabs(db) else os.path.join(base_dir, db)
-        try:
-            return SqliteEngine(path)
-        except sqlite3.Error as e:  # e.g. a database this user may not open: one line
-            raise VolumeError(f"cannot open the metadata database {path}: {e}") from None
-    if url.startswith(("postgresql://", "postgres://")):
-        from metadata.postgres import PostgresEngine
-
-        return PostgresEngine(url)
-    raise VolumeError(f"unknown metadata engine URL {url!r}")
+    try:
+        return open_engine(url, base_dir)
+    except EngineURLError as e:
+        raise VolumeError(str(e)) from None
 
 
-def drain_quietly(inflight: deque[tuple[Future, int]]) -> None:
-    """Cancel or wait out a failed writer's store tasks; the first error is the one reported."""
-    while inflight:
-        fut, _ = inflight.popleft()
-        fut.cancel()
-        try:
-            fut.result()
-        except BaseException:  # noqa: S110
-            pass
-
-
-class FileWriter:
-    """Streams bytes into chunks; the file changes only at close(), in one commit."""
-
-    def __init__(
-        self, vol: Volume, ino: int, *, codec_name: str | None = None, inline: bool = True
-    ) -> None:
-        """inline=False: the file is committed through a checkpoint (commit_rank), which
-        takes no inline chunks (Volume.store_chunk)."""
-        self.vol = vol
-        self.ino = ino
-        self.codec_name = codec_name
-        self.inline = inline
-        self.chunker = vol.make_chunker()
-        self.size = 0
-        self.extents: list[Extent] = []
-        self.new_chunks: dict[bytes, NewChunk] = {}
-        self._batch: list[tuple[int, bytes]] = []
-        self._inflight: deque[tuple[Future, int]] = deque()
-        self._inflight_bytes = 0
-        self._unsynced_bytes = 0
-        budget = getattr(vol.tier, "budget", None)
-        self._unsynced_max = UNSYNCED_MAX if budget is None else min(UNSYNCED_MAX, budget // 4)
-        self._planned: set[bytes] = set()
-        self._lock = threading.Lock()
-        self.attr: Attr | None = None
-        self.closed = False
-
-    def write(self, data: bytes | memoryview) -> int:
-        if self.closed:
-            raise ValueError("write to a closed FileWriter")
-        for ch in self.chunker.feed(data):
-            self._add(ch)
-        return len(data)
-
-    def cut(self) -> None:
-        """Force a chunk boundary here (DCP cuts at every tensor, for dedup)."""
-        for ch in self.chunker.cut():
-            self._add(ch)
-
-    def _add(self, raw: bytes) -> None:
-        self._batch.append((self.size, raw))
-        self.size += len(raw)
-        if len(self._batch) >= HASH_BATCH:
-            self._flush_batch()
-
-    def _flush_batch(self) -> None:
-        if not self._batch:
-            return
-        batch, self._batch = self._batch, []
-        ids = self.vol.hash_many([raw for _, raw in batch])
-        ask = [cid for cid in dict.fromkeys(ids) if cid not in self._planned]
-        missing = self.vol.missing_chunks(ask) if ask else set()
-        for (off, raw), cid in zip(batch, ids, strict=True):
-            self.extents.append(Extent(off, len(raw), cid, 0))
-            if cid in missing and cid not in self._planned:
-                self._planned.add(cid)
-                self._submit(cid, raw)
-
-    def _submit(self, cid: bytes, raw: bytes) -> None:
-        while self._inflight and self._inflight_bytes + len(raw) > INFLIGHT_BYTES:
-            self._reap_one()
-        if self._unsynced_bytes and self._unsynced_bytes + len(raw) > self._unsynced_max:
-            self._sync()
-        fut = self.vol.pool.submit(
-            self.vol.store_chunk, cid, raw, self.codec_name, sync=False, inline=self.inline
-        )
-        self._inflight.append((fut, len(raw)))
-        self._inflight_bytes += len(raw)
-        self._unsynced_bytes += len(raw)
-
-    def _reap_one(self) -> None:
-        fut, n = self._inflight.popleft()
-        self._inflight_bytes -= n
-        rec = fut.result()
-        self.new_chunks[rec.chunk_id] = rec
-
-    def _sync(self) -> None:
-        """Wait for the chunks in flight, then make them durable in one batch."""
-        while self._inflight:
-            self._reap_one()
-        self.vol.sync_chunks()
-        self._unsynced_bytes = 0
-
-    def flush_data(self) -> None:
-        """Store every byte written so far durably (no commit)."""
-        for ch in self.chunker.cut():
-            self._add(ch)
-        self._flush_batch()
-        self._sync()
-
-    def close(self, *, commit: bool = True) -> Attr | None:
-        if self.closed:
-            return self.attr
-        self.closed = True
-        try:
-            for ch in self.chunker.finish():
-                self._add(ch)
-            self._flush_batch()
-            self._sync()
-        except BaseException:
-            self._drain_quietly()
-            raise
-        if commit:
-            self.attr = self.vol.meta.commit_file(
-                self.ino, self.extents, self.size, list(self.new_chunks.values())
-            )
-        return self.attr
-
-    def abort(self) -> None:
-        self.closed = True
-        self._drain_quietly()
-
-    def _drain_quietly(self) -> None:
-        drain_quietly(self._inflight)
-
-    def __enter__(self) -> FileWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
+def _remove_new(path: str, fresh: bool, before: set[str]) -> None:
+    """Undo a failed format: the directory if it made it, else only the entries it added."""
+    if fresh:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    try:
+        added = set(os.listdir(path)) - before
+    except OSError:
+        return
+    for name in added:
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
         else:
-            self.abort()
-
-
-class FileReader:
-    """Range reads over a file's extents, with read-ahead of the following chunks."""
-
-    def __init__(self, vol: Volume, attr: Attr, *, readahead: int = 16) -> None:
-        self.vol = vol
-        self.attr = attr
-        self.size = attr.size
-        self.extents = vol.meta.get_extents(attr.ino)
-        self._starts = [e.offset for e in self.extents]
-        self._cache: OrderedDict[bytes, Future[bytes]] = OrderedDict()
-        self._readahead = readahead
-        self._pos = 0
-
-    def _chunk(self, e: Extent) -> Future[bytes]:
-        cid = e.chunk_id
-        fut = self._cache.get(cid)
-        if fut is None:
-            fut = self.vol.pool.submit(self.vol.fetch_chunk, cid, small=maybe_inline(e))
-            self._cache[cid] = fut
-            while len(self._cache) > self._readahead + 4:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(cid)
-        return fut
-
-    def _overlapping(self, start: int, end: int) -> Iterable[int]:
-        i = max(0, bisect.bisect_right(self._starts, start) - 1)
-        while i < len(self.extents) and self.extents[i].offset < end:
-            e = self.extents[i]
-            if e.offset + e.length > start:
-                yield i
-            i += 1
-
-    def pread(self, offset: int, size: int) -> bytes:
-        if offset < 0 or size < 0:
-            raise ValueError("negative offset or size")
-        size = max(0, min(size, self.size - offset))
-        if size == 0:
-            return b""
-        end = offset + size
-        idx = list(self._overlapping(offset, end))
-        if len(idx) == 1:
-            e = self.extents[idx[0]]
-            if e.offset <= offset and e.offset + e.length >= end:
-                raw = self._chunk(e).result()
-                self._prefetch(idx[0] + 1)
-                s = e.chunk_off + offset - e.offset
-                return raw[s : s + size]
-        futs = [(self.extents[i], self._chunk(self.extents[i])) for i in idx]
-        if idx:
-            self._prefetch(idx[-1] + 1)
-        out = bytearray(size)
-        for e, fut in futs:
-            raw = fut.result()
-            s = max(offset, e.offset)
-            t = min(end, e.offset + e.length)
-            out[s - offset : t - offset] = raw[
-                e.chunk_off + s - e.offset : e.chunk_off + t - e.offset
-            ]
-        return bytes(out)
-
-    def _prefetch(self, i: int) -> None:
-        for e in self.extents[i : i + self._readahead]:
-            self._chunk(e)
-
-    # file-like sequential API
-    def read(self, n: int = -1) -> bytes:
-        if n < 0:
-            n = self.size - self._pos
-        data = self.pread(self._pos, n)
-        self._pos += len(data)
-        return data
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self.size}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def close(self) -> None:
-        for fut in self._cache.values():
-            fut.cancel()
-        self._cache.clear()
-
-    def __enter__(self) -> FileReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            try:
+                os.unlink(p)
+            except OSError:
+                pass

@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
-from fusefs.fsck import DEFAULT_GRACE, Report, check_volume, heal_pending
-from fusefs.units import format_size
+from fusefs.cli.text import shown
+from fusefs.cli.units import format_size
+from fusefs.maint.fsck import DEFAULT_GRACE, Report, check_volume, heal_pending
 
 
 def _grace(text: str) -> float:
@@ -38,10 +39,10 @@ def _print_report(rep: Report, verb: str, as_json: bool) -> int:
             state = (
                 "repaired" if p.repaired else ("NOT repaired: " + p.why_not if p.why_not else "")
             )
-            line = f"{p.kind}: {p.detail}" + (f" [{state}]" if state else "")
+            line = f"{p.kind}: {shown(p.detail)}" + (f" [{shown(state)}]" if state else "")
             print(line)
             for f in p.files or ():
-                print(f"    used by {f}")
+                print(f"    used by {shown(f)}")
         left = len(rep.remaining)
         fixed = len(rep.problems) - left
         print(
@@ -61,9 +62,9 @@ def _print_report(rep: Report, verb: str, as_json: bool) -> int:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from fusefs.cli import open_volume
+    from fusefs.client.volume import Volume
 
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         if args.pending:
             done, left = heal_pending(vol)
             print(f"fsck: {done} recorded missing replica(s) restored, {left} still pending")
@@ -73,19 +74,19 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 
 
 def cmd_scrub(args: argparse.Namespace) -> int:
-    from fusefs.cli import open_volume
-    from fusefs.scrub import scrub
+    from fusefs.client.volume import Volume
+    from fusefs.maint.scrub import scrub
 
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         rep = scrub(vol, rate_mbps=args.rate, repair=not args.no_repair)
         return _print_report(rep, "scrub", args.json)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from fusefs.cli import open_volume
-    from fusefs.gc import gc
+    from fusefs.client.volume import Volume
+    from fusefs.maint.gc import gc
 
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         rep = gc(vol, grace=args.grace)
     if args.json:
         print(json.dumps(rep.as_dict(), indent=2))

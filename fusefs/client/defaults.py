@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from fusefs.volume import VOLUME_FILE, Volume, VolumeError
+from fusefs.client.volume import VOLUME_FILE, Volume, VolumeError
 
 
 def data_dir() -> str:

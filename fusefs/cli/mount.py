@@ -17,9 +17,9 @@ import subprocess
 import sys
 import time
 
-from chunkstore.writeback import pid_alive
-from fusefs.defaults import data_dir, ensure_default_volume
-from fusefs.units import parse_size
+from chunkstore.tier.status import pid_alive
+from fusefs.cli.units import parse_size
+from fusefs.client.defaults import data_dir, ensure_default_volume
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -108,8 +108,8 @@ def attach_tier(vol, staging: str | None, staging_size: int | None, durability: 
 
 
 def _serve(args: argparse.Namespace, spec: str, mp: str, on_ready) -> None:
-    from fusefs.mount import serve
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
+    from fusefs.mount.fs import serve
 
     vol = Volume.open(spec)
     try:
@@ -134,7 +134,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     _check_mountpoint(mp)
     spec = args.volume or ensure_default_volume()
     if not spec.startswith("ckptfs://"):
-        from fusefs.volume import VOLUME_FILE
+        from fusefs.client.volume import VOLUME_FILE
 
         if not os.path.exists(os.path.join(spec, VOLUME_FILE)):
             raise MountError(f"no volume at {spec} (run `ckptfs format {spec}` first)")

@@ -17,9 +17,9 @@ import threading
 import uuid
 from collections.abc import Iterator
 
-from chunkstore.fileio import fsync_dir, write_new
+from chunkstore.fileio import fsync_dir, rename_noreplace, write_new
 from chunkstore.ids import check_id, from_hex
-from chunkstore.node import NodeError, NodeInfo, ObjectMissing, ObjectNode
+from chunkstore.nodes import NodeError, NodeInfo, ObjectMissing, ObjectNode
 
 log = logging.getLogger("ckptfs.dirnode")
 
@@ -58,7 +58,8 @@ class DirNode(ObjectNode):
 
         Until then a crash can leave a torn object under its final name: the header
         checksum rejects it on read, fsck reports it, and no metadata names it yet
-        (the commit that would waits for `sync()`)."""
+        (the commit that would waits for `sync()`). An object already there is kept,
+        never replaced by the unsynced file."""
         self._write(cid, blob, sync=False)
 
     def sync(self) -> None:
@@ -91,7 +92,14 @@ class DirNode(ObjectNode):
                     self._made.add(d)
             tmp = os.path.join(self._tmp, f"{cid.hex()}.{uuid.uuid4().hex[:8]}")
             write_new(tmp, blob, sync=sync)
-            os.rename(tmp, final)
+            if sync:
+                os.rename(tmp, final)  # durable content replaces whatever was there
+            elif not rename_noreplace(tmp, final):
+                # Never put an unsynced file over an object: metadata may name the old one
+                # already, and a power cut could tear it. The object there has the same
+                # content (ids are content); our sync() makes it durable for our commit,
+                # in case its writer has not synced it yet.
+                os.unlink(tmp)
             if not sync:
                 with self._lock:
                     self._unsynced[final] = d
@@ -130,16 +138,18 @@ class DirNode(ObjectNode):
     def list(self) -> Iterator[tuple[bytes, int, float]]:
         if not os.path.isdir(self._objects):
             return
-        for a in sorted(os.listdir(self._objects)):
+        for a in _fan_dirs(self._objects):
             da = os.path.join(self._objects, a)
-            for b in sorted(os.listdir(da)):
+            for b in _fan_dirs(da):
                 with os.scandir(os.path.join(da, b)) as it:
                     for entry in it:
                         try:
                             cid = from_hex(entry.name)
                         except ValueError:
                             continue  # foreign file: not ours to report as an object
-                        st = entry.stat()
+                        if entry.name[:4] != a + b or not entry.is_file(follow_symlinks=False):
+                            continue  # misplaced or not a plain file: no object of ours
+                        st = entry.stat(follow_symlinks=False)
                         yield cid, st.st_size, st.st_mtime
 
     def sweep_tmp(self, cutoff: float) -> tuple[int, int]:
@@ -179,3 +189,15 @@ class DirNode(ObjectNode):
     def wipe(self) -> None:
         """Delete every object (tests simulating a lost node)."""
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _fan_dirs(path: str) -> list[str]:
+    """The fan-out directories in `path` (two lowercase hex digits, real directories, not
+    links): anything else there is not ours, and following it could leave the node."""
+    out = []
+    with os.scandir(path) as it:
+        for e in it:
+            if len(e.name) == 2 and all(c in "0123456789abcdef" for c in e.name):
+                if e.is_dir(follow_symlinks=False):
+                    out.append(e.name)
+    return sorted(out)

@@ -16,6 +16,7 @@ reclaims the chunks. --temp-volume runs on a throwaway volume instead.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -54,7 +55,7 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def _mounted(mp: str) -> bool:
-    from fusefs.cli_mount import mount_fstype
+    from fusefs.cli.mount import mount_fstype
 
     return bool(mount_fstype(mp))
 
@@ -99,7 +100,7 @@ def rank_main(rank: int, port: int, spec: str, mnt: str, job: str, steps: int, o
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from fusefs.dcp import CkptfsReader, CkptfsWriter, _volume
+    from fusefs.dcp import CkptfsReader, CkptfsWriter, volume_for
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -113,7 +114,7 @@ def rank_main(rank: int, port: int, spec: str, mnt: str, job: str, steps: int, o
         emb_dt = DTensor.from_local(emb, mesh, [Shard(0)], run_check=False)
         proj = torch.randn(EMB_DIM, IN, generator=torch.Generator().manual_seed(7))
         rows: list[dict] = []
-        meta = _volume(spec).meta if rank == 0 else None
+        meta = volume_for(spec).meta if rank == 0 else None
 
         def timed(fn) -> float:
             dist.barrier()
@@ -226,7 +227,7 @@ def _spawn_ranks(port: int, spec: str, mnt: str, job: str, steps: int, out: str)
 
 
 def _table(res: dict, spec: str, mnt: str, elapsed: float) -> str:
-    from fusefs.units import format_size
+    from fusefs.cli.units import format_size
 
     def f(x, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
@@ -265,7 +266,7 @@ def _table(res: dict, spec: str, mnt: str, elapsed: float) -> str:
 
 
 def _remove_job(spec: str, job: str) -> None:
-    from fusefs.volume import Volume
+    from fusefs.client.volume import Volume
 
     with Volume.open(spec) as vol:
         if not vol.exists(job):
@@ -276,7 +277,7 @@ def _remove_job(spec: str, job: str) -> None:
 
 
 def run_demo(steps: int = 3, keep: bool = False, temp_volume: bool = False) -> int:
-    from fusefs.defaults import ensure_default_volume
+    from fusefs.client.defaults import ensure_default_volume
 
     if not 1 <= steps <= 20:
         raise DemoError("--steps must be 1..20")
@@ -326,3 +327,25 @@ def run_demo(steps: int = 3, keep: bool = False, temp_volume: bool = False) -> i
     if keep and not temp_volume:
         print(f"kept: /{job} in {spec} (ckptfs checkpoints {spec} list {job})")
     return 0 if result["dcp_ok"] and result["mount_ok"] else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return run_demo(steps=args.steps, keep=args.keep, temp_volume=args.temp_volume)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    d = sub.add_parser(
+        "demo",
+        help="train a small model on 4 ranks, checkpoint it, reload and compare",
+        description="4 gloo ranks (CPU, 127.0.0.1) train a small model, save every step with "
+        "the DCP backend and once with torch.save through a temporary FUSE mount of the "
+        "embedded default volume, reload, compare, and print sizes, dedup and the timeline.",
+    )
+    d.add_argument("--steps", type=int, default=3, help="training steps (1..20)")
+    d.add_argument(
+        "--temp-volume",
+        action="store_true",
+        help="use a throwaway volume instead of the embedded default",
+    )
+    d.add_argument("--keep", action="store_true", help="keep the demo's checkpoints")
+    d.set_defaults(func=cmd_demo)

@@ -7,8 +7,8 @@ out of the way of training jobs. It shares fsck's per-chunk engine.
 
 from __future__ import annotations
 
-from fusefs.fsck import Report, check_volume
-from fusefs.volume import Volume
+from fusefs.client.volume import Volume
+from fusefs.maint.fsck import Report, check_volume
 
 
 def scrub(

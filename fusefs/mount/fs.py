@@ -1,7 +1,7 @@
 """The FUSE filesystem: pyfuse3 Operations over a Volume, on trio.
 
 Namespace requests become one metadata call each, run in a worker thread
-(nothing blocks the trio loop); file data goes through fusefs.filecache.
+(nothing blocks the trio loop); file data goes through fusefs.mount.filecache.
 A file's new content becomes visible to other mounts when it is closed or
 fsync'd, in one commit (close-to-open consistency). Every handler maps
 errors to an errno: MetaError and FileError carry one, anything unexpected
@@ -33,7 +33,6 @@ import errno
 import functools
 import logging
 import os
-import sqlite3
 import stat
 import time
 from collections.abc import Callable
@@ -44,17 +43,17 @@ import pyfuse3
 import trio
 
 from chunkstore.store import ChunkStoreError
-from fusefs.filecache import FileCache, FileError, FileState, clip
-from fusefs.volume import Volume
-from metadata.engine import NAME_MAX, STAGED, Attr, MetaError
-from metadata.sqlite import SqliteEngine
+from fusefs.client.extents import clip
+from fusefs.client.volume import Volume
+from fusefs.mount.blocks import FileError, FileState
+from fusefs.mount.filecache import FileCache
+from metadata.engine import NAME_MAX, STAGED, Attr, MetaBusy, MetaError
 
 log = logging.getLogger("ckptfs.mount")
 
 ENTRY_TIMEOUT = 1.0
 ATTR_TIMEOUT = 1.0
 DOTS = 2  # readdir cookies 1 and 2 are "." and ".."
-WAL_CHECK_S = 0.5  # the mount checkpoints the metadata WAL this often while it is written
 BLKSIZE = 1 << 20  # st_blksize: stdio, cp and dd pick their buffer size from it
 CONTROL_FLUSH = b"user.ckptfs.flush"  # setxattr on the root: drain the write-behind tier
 INFO_PREFIX = b"user.ckptfs."
@@ -105,7 +104,7 @@ class CkptFS(pyfuse3.Operations):
         super().__init__()
         self.vol = vol
         self.mountpoint = mountpoint
-        self.local = _local_engine(vol)
+        self.local = vol.meta.loop_engine()
         self.cache: FileCache | None = None
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
@@ -125,8 +124,8 @@ class CkptFS(pyfuse3.Operations):
                 async with trio.open_nursery() as n:
                     n.start_soon(self._signals)
                     n.start_soon(self._probe, on_ready)
-                    if self.local is not None:
-                        n.start_soon(self._wal_keeper)
+                    if self.vol.meta.housekeeping_interval is not None:
+                        n.start_soon(self._housekeeping)
                     await pyfuse3.main(min_tasks=4, max_tasks=64)
                     n.cancel_scope.cancel()
                 await self.cache.shutdown()
@@ -136,34 +135,12 @@ class CkptFS(pyfuse3.Operations):
             if self.local is not None:
                 self.local.close()
 
-    async def _wal_keeper(self) -> None:
-        """Checkpoint the metadata WAL from a worker twice a second while it is written
-        (`SqliteEngine.wal_checkpoint`). The inline connection never checkpoints, and a
-        run of inline-only writes (a tree of mkdirs, small files whose content is known)
-        grew the WAL by ~64 KB a transaction, to 250+ MB, slowing every commit after it."""
-        meta, seen = self.vol.meta, 0
-
-        def wal_mtime() -> int:
-            try:
-                return os.stat(meta.path + "-wal").st_mtime_ns
-            except OSError:
-                return 0
-
-        def checkpoint_if_written() -> None:
-            nonlocal seen
-            if wal_mtime() == seen:
-                return
-            try:
-                done = meta.wal_checkpoint()
-            except sqlite3.Error as e:
-                log.debug("WAL checkpoint: %s", e)
-                done = False
-            if done:  # (its own first write of the new WAL is not news) else: next look
-                seen = wal_mtime()
-
+    async def _housekeeping(self) -> None:
+        """The engine's periodic upkeep (MetaEngine.housekeeping), from a worker."""
+        meta = self.vol.meta
         while True:
-            await trio.sleep(WAL_CHECK_S)
-            await self.meta(checkpoint_if_written)
+            await trio.sleep(meta.housekeeping_interval)
+            await self.meta(meta.housekeeping)
 
     async def _signals(self) -> None:
         import signal
@@ -194,21 +171,22 @@ class CkptFS(pyfuse3.Operations):
         return await self._local_call("lookup", parent, name)
 
     async def _local_call(self, method: str, *args: Any, **kw: Any) -> Any:
-        """A short metadata call, run right here when the metadata is a local SQLite file.
+        """A short metadata call, run right here when the engine has a loop engine
+        (MetaEngine.loop_engine: a local SQLite file).
 
         A lookup or getattr is a ~20 us query and a create ~150 us, and each round trip
         through a worker thread cost the loop ~150 us of CPU more (and the request ~0.8 ms):
         creating a small file (lookup, create, getattr, write, flush, release) spent half
         its daemon CPU on such trips. S3QL runs all its metadata queries on the loop.
-        These run on a connection of their own (`SqliteEngine(inline=True)`) that never
-        waits, checkpoints or applies the reference journal: where it would (a worker
-        holds the write lock, WAL recovery after a crash, a pending journal) the call
-        fails at once with nothing done and goes to a worker as before. Reads see every
+        These run on a connection of their own that never waits, checkpoints or applies
+        the reference journal: where it would (a worker holds the write lock, WAL recovery
+        after a crash, a pending journal) the call fails at once with MetaBusy, nothing
+        done, and goes to a worker as before. Reads see every
         committed write (WAL); the calls allowed here are only those that touch a few rows."""
         if self.local is not None:
             try:
                 return getattr(self.local, method)(*args, **kw)
-            except sqlite3.OperationalError as e:
+            except MetaBusy as e:
                 log.debug("inline %s%r: %s; via a worker", method, args, e)
         return await self.meta(getattr(self.vol.meta, method), *args, **kw)
 
@@ -398,6 +376,7 @@ class CkptFS(pyfuse3.Operations):
                 else:
                     self.lookups.pop(ino, None)
                     self.direct_written.discard(ino)  # the kernel dropped its pages with it
+                    self.page_gen.pop(ino, None)  # (the map grew by every file ever opened)
                     await self._reap(ino)
         except Exception:  # forget has no reply: never let it escape
             log.exception("forget failed")
@@ -783,13 +762,6 @@ def _check_xattr_name(name: bytes) -> None:
                 raise pyfuse3.FUSEError(errno.EINVAL)
             return
     raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
-
-
-def _local_engine(vol: Volume) -> SqliteEngine | None:
-    """A second connection to a local SQLite metadata file, for CkptFS._local_call."""
-    if type(vol.meta) is not SqliteEngine:
-        return None
-    return SqliteEngine(vol.meta.path, inline=True)
 
 
 def serve(

@@ -12,10 +12,11 @@ import json
 import os
 import time
 
-from chunkstore.writeback import default_staging_dir, scan_staging
-from fusefs.fsck import heal_pending
-from fusefs.progress import Progress
-from fusefs.units import format_size
+from chunkstore.tier.status import scan_staging
+from chunkstore.tier.tier import default_staging_dir
+from fusefs.cli.progress import Progress
+from fusefs.cli.units import format_size
+from fusefs.maint.fsck import heal_pending
 
 
 def _staging(args: argparse.Namespace, vol) -> str:
@@ -27,9 +28,10 @@ def _rate(bps: float) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from fusefs.cli import UserError, open_volume
+    from fusefs.cli.main import UserError
+    from fusefs.client.volume import Volume
 
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         root = _staging(args, vol)
         if args.staging and not os.path.isdir(root):
             raise UserError(f"no staging directory at {root}")
@@ -93,11 +95,12 @@ def _others_left(root: str, own: str, since: float) -> int | None:
 
 
 def cmd_flush(args: argparse.Namespace) -> int:
-    from fusefs.cli import UserError, open_volume
+    from fusefs.cli.main import UserError
+    from fusefs.client.volume import Volume
 
     start = time.time()
     end = None if args.timeout is None else time.monotonic() + args.timeout
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         root = _staging(args, vol)
         if not os.path.isdir(root):
             if args.staging:

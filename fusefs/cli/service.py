@@ -11,9 +11,11 @@ import sys
 import time
 from functools import partial
 
-from fusefs.units import format_size
-from fusefs.volume import VOLUME_FILE, VolumeError, _open_engine
+from fusefs.cli.text import shown
+from fusefs.cli.units import format_size
+from fusefs.client.volume import VOLUME_FILE, VolumeError
 from metadata.engine import MetaEngine
+from metadata.engines import open_engine
 from metadata.protocol import MAX_FRAME
 
 TOKEN_FILE = "meta.token"
@@ -37,7 +39,7 @@ def open_meta(spec: str, db: str | None = None) -> MetaEngine:
 
         return connect(spec)
     path = os.path.abspath(spec)
-    return _open_engine(db or _volume_desc(path)["meta"], path)
+    return open_engine(db or _volume_desc(path)["meta"], path)
 
 
 def ensure_token(path: str) -> str:
@@ -90,13 +92,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     token = ensure_token(token_file)
     tls = None
     if args.tls_cert or args.tls_key:
-        from fusefs.cli import UserError
+        from fusefs.cli.main import UserError
         from metadata.tls import server_context
 
         if not args.tls_cert:
             raise UserError("--tls-key needs --tls-cert")
         tls = server_context(args.tls_cert, args.tls_key)  # before opening anything
-    engine = _open_engine(args.db or desc["meta"], path)
+    engine = open_engine(args.db or desc["meta"], path)
     engine.get_config()  # fail now, with one line, if the engine holds no volume
     _raise_fd_limit()
     host, port = args.listen
@@ -135,7 +137,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for r in rows:
         ranks = f"{r['committed']}/{r['world_size']}"
         print(
-            f"{r['job']:20} {r['step']:>8} {r['state']:10} {ranks:>11} {r['files']:>7} "
+            f"{shown(r['job']):20} {r['step']:>8} {r['state']:10} {ranks:>11} {r['files']:>7} "
             f"{format_size(r['bytes']):>10}  {_when(r['created'])}"
         )
     return 0
@@ -147,10 +149,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"checkpoint {info['job']} step {info['step']}: {info['state']}")
+    print(f"checkpoint {shown(info['job'])} step {info['step']}: {info['state']}")
     if info["reason"]:
-        print(f"  reason:     {info['reason']}")
-    print(f"  path:       /{info['path']}")
+        print(f"  reason:     {shown(info['reason'])}")
+    print(f"  path:       /{shown(info['path'])}")
     print(f"  ranks:      {info['committed']}/{info['world_size']} committed")
     if info["missing"]:
         print(f"  missing:    {info['missing']}")
@@ -160,27 +162,28 @@ def cmd_show(args: argparse.Namespace) -> int:
     strag = info["stragglers"]
     print(f"  stragglers: {', '.join(map(str, strag)) if strag else 'none'}")
     ranks = info["ranks"]
-    shown = (
+    listed = (
         ranks
         if args.all or len(ranks) <= 64
         else ranks[:32] + [r for r in ranks[32:] if r["straggler"]]
     )
     print(f"  {'RANK':>6} {'COMMIT_S':>9} {'FILES':>6} {'BYTES':>10}  HOST")
-    for r in shown:
+    for r in listed:
         flag = "  straggler" if r["straggler"] else ""
         print(
             f"  {r['rank']:>6} {r['commit_s']:>9.3f} {r['files']:>6} "
-            f"{format_size(r['bytes']):>10}  {r['host'] or '-'}{flag}"
+            f"{format_size(r['bytes']):>10}  {shown(r['host']) or '-'}{flag}"
         )
-    if len(shown) < len(ranks):
-        print(f"  ... {len(ranks) - len(shown)} more ranks (use --all)")
+    if len(listed) < len(ranks):
+        print(f"  ... {len(ranks) - len(listed)} more ranks (use --all)")
     return 0
 
 
 def cmd_delete(args: argparse.Namespace) -> int:
     with open_meta(args.volume) as meta:
         res = meta.delete_checkpoint(args.job, args.step)
-    print(f"{args.job} step {args.step}: {res['state']} ({res['inodes_freed']} inodes freed)")
+    freed = res["inodes_freed"]
+    print(f"{shown(args.job)} step {args.step}: {res['state']} ({freed} inodes freed)")
     print("chunks no other step uses are reclaimed by `ckptfs gc` after the grace period")
     return 0
 
@@ -191,14 +194,14 @@ def cmd_retain(args: argparse.Namespace) -> int:
             meta.set_retention(args.job, args.keep_last)
         deleted = meta.retain(args.job, args.keep_last)
     kept = f"keeping the newest {args.keep_last}"
-    print(f"{args.job}: deleted {len(deleted)} step(s) {deleted if deleted else ''}, {kept}")
+    print(f"{shown(args.job)}: deleted {len(deleted)} step(s) {deleted if deleted else ''}, {kept}")
     if args.policy:
-        print(f"{args.job}: policy stored, applied after every publish of this job")
+        print(f"{shown(args.job)}: policy stored, applied after every publish of this job")
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from fusefs.cli import size_arg
+    from fusefs.cli.main import size_arg
 
     m = sub.add_parser("meta", help="the metadata service")
     msub = m.add_subparsers(dest="meta_command", required=True, metavar="ACTION")
@@ -240,6 +243,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    from fusefs.cli import main
+    from fusefs.cli.main import main
 
     sys.exit(main())

@@ -15,17 +15,20 @@ mode adds exponential backoff with jitter for transient errors and throttling.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from urllib.parse import parse_qs, urlsplit
 
 import boto3
 import botocore
+import botocore.session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from chunkstore.ids import check_id, from_hex
-from chunkstore.node import NodeError, NodeInfo, ObjectMissing, ObjectNode
+from chunkstore.nodes import redact_url
+from chunkstore.nodes.base import NodeError, NodeInfo, ObjectMissing, ObjectNode
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _NO_BUCKET_CODES = {"NoSuchBucket"}
@@ -43,10 +46,32 @@ def _number(params: dict[str, list[str]], key: str, default: float, url: str) ->
     try:
         val = float(text)
     except ValueError:
-        raise ValueError(f"node {url!r}: {key}={text!r} is not a number") from None
+        raise ValueError(f"node {redact_url(url)!r}: {key}={text!r} is not a number") from None
     if val <= 0:
-        raise ValueError(f"node {url!r}: {key} must be positive")
+        raise ValueError(f"node {redact_url(url)!r}: {key} must be positive")
     return val
+
+
+def _session(profile: str | None, credentials_file: str | None, info: NodeInfo):
+    """A boto3 session whose credentials come by reference only: the environment, a
+    profile of ~/.aws, an instance role, or a shared-credentials file named on the URL
+    (which must not be readable by others, as ssh insists for its keys). The volume
+    stores the reference, never a key."""
+    if credentials_file is None:
+        return boto3.session.Session(profile_name=profile)
+    path = os.path.expanduser(credentials_file)
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ValueError(f"node {info.name}: credentials_file {path}: {e.strerror}") from None
+    if st.st_mode & 0o077:
+        raise ValueError(
+            f"node {info.name}: credentials_file {path} is readable by others "
+            f"(mode {st.st_mode & 0o777:o}): chmod 600 it"
+        )
+    core = botocore.session.Session()
+    core.set_config_variable("credentials_file", path)
+    return boto3.session.Session(botocore_session=core, profile_name=profile)
 
 
 class S3Node(ObjectNode):
@@ -61,9 +86,8 @@ class S3Node(ObjectNode):
         read = _number(params, "read_timeout", 10.0, info.url)
         retries = int(_number(params, "retries", 3, info.url))
         pool = int(_number(params, "pool", 32, info.url))
-        session = boto3.session.Session(profile_name=_param(params, "profile"))
-        key, secret = _param(params, "access_key"), _param(params, "secret_key")
-        signed = bool(key and secret) or session.get_credentials() is not None
+        session = _session(_param(params, "profile"), _param(params, "credentials_file"), info)
+        signed = session.get_credentials() is not None
         config = Config(
             connect_timeout=connect,
             read_timeout=read,
@@ -80,8 +104,6 @@ class S3Node(ObjectNode):
             "s3",
             endpoint_url=self.endpoint,
             region_name=_param(params, "region", session.region_name or "us-east-1"),
-            aws_access_key_id=key,
-            aws_secret_access_key=secret,
             config=config,
         )
         self._lock = threading.Lock()

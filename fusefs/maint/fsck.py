@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass, field
 
 from chunkstore import codec
 from chunkstore.ids import chunk_id
-from chunkstore.node import NodeError, ObjectNode
-from fusefs.progress import Progress
-from fusefs.volume import Volume
+from chunkstore.nodes import NodeError, ObjectNode
+from fusefs.cli.progress import Progress
+from fusefs.client.volume import Volume
 from metadata.engine import DURABLE, INLINE, STAGED, NewChunk
 
 DEFAULT_GRACE = 3600.0  # seconds an unreferenced chunk or row-less object is left alone

@@ -12,24 +12,34 @@ import importlib
 import json
 import logging
 import os
+import secrets
 import stat
 import sys
+from importlib.metadata import entry_points
 
 from chunkstore.codec import CODECS
+from chunkstore.nodes import NodeError
 from chunkstore.store import ChunkStoreError
-from fusefs.progress import Progress
-from fusefs.units import format_size, parse_size
-from fusefs.volume import Volume, VolumeError, VolumeSettings
+from fusefs.cli.progress import Progress
+from fusefs.cli.text import shown
+from fusefs.cli.units import format_size, parse_size
+from fusefs.client.volume import Volume, VolumeError, VolumeSettings
 from metadata.engine import MetaError
 
-# Modules that add subcommands: each defines register(subparsers).
+# Modules of this package that add subcommands: each defines register(subparsers).
 COMMAND_MODULES: list[str] = [
-    "fusefs.cli_mount",
-    "fusefs.cli_service",
-    "fusefs.cli_ops",
-    "fusefs.cli_tier",
-    "bench.cli",
+    "fusefs.cli.mount",
+    "fusefs.cli.service",
+    "fusefs.cli.ops",
+    "fusefs.cli.tier",
+    "fusefs.cli.demo",
 ]
+# Packages above this one (the load-test harness) add theirs through this entry-point group,
+# so that no import runs from fusefs up to them.
+PLUGIN_GROUP = "ckptfs.commands"
+
+
+log = logging.getLogger("ckptfs.cli")
 
 
 class UserError(Exception):
@@ -41,10 +51,6 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
-
-
-def open_volume(spec: str, **kw) -> Volume:
-    return Volume.open(spec, **kw)
 
 
 def cmd_format(args: argparse.Namespace) -> int:
@@ -70,7 +76,7 @@ def cmd_put(args: argparse.Namespace) -> int:
         src = open(args.local_file, "rb")  # noqa: SIM115 - closed below
     except OSError as e:
         raise UserError(f"cannot read {args.local_file}: {e.strerror}") from e
-    with src, open_volume(args.volume) as vol:
+    with src, Volume.open(args.volume) as vol:
         total = os.fstat(src.fileno()).st_size
         bufsize = vol.settings.chunk_size
         with (
@@ -87,11 +93,14 @@ def cmd_put(args: argparse.Namespace) -> int:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         with vol.open_read(args.vol_path) as r:
-            tmp = args.local_file + ".ckptfs-partial"
+            # Created exclusively, under a name nobody can guess, never through a link: a
+            # fixed name let a symlink planted at DEST.ckptfs-partial redirect the write.
+            tmp = f"{args.local_file}.ckptfs-partial.{secrets.token_hex(6)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
             try:
-                with open(tmp, "wb") as out, Progress(r.size, f"get {args.vol_path}") as bar:
+                with open(fd, "wb") as out, Progress(r.size, f"get {args.vol_path}") as bar:
                     step = vol.settings.chunk_size
                     for off in range(0, r.size, step):
                         data = r.pread(off, step)
@@ -120,11 +129,11 @@ def _mode_str(mode: int) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         attr = vol.resolve(args.vol_path)
         entries = vol.listdir(args.vol_path) if attr.is_dir else [(b"", attr)]
         for name, a in entries:
-            label = os.fsdecode(name) or args.vol_path
+            label = shown(name) or shown(args.vol_path)
             if a.is_dir:
                 label += "/"
             print(f"{_mode_str(a.mode)} {a.size:>14} {label}")
@@ -132,7 +141,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         attr = vol.resolve(args.vol_path)
         if attr.is_dir and not args.recursive:
             raise UserError(f"{args.vol_path} is a directory (use -r)")
@@ -144,7 +153,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    with open_volume(args.volume) as vol:
+    with Volume.open(args.volume) as vol:
         st = vol.stats()
     if args.json:
         print(json.dumps(st, indent=2))
@@ -208,11 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_stats)
 
     for modname in COMMAND_MODULES:
+        importlib.import_module(modname).register(sub)
+    for ep in entry_points(group=PLUGIN_GROUP):
         try:
-            mod = importlib.import_module(modname)
-        except ModuleNotFoundError as e:
-            if e.name != modname:
-                raise
+            mod = ep.load()
+        except ModuleNotFoundError as e:  # an optional part not installed: no command
+            log.debug("command plugin %s: %s", ep.value, e)
             continue
         mod.register(sub)
     return p
@@ -228,22 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (UserError, VolumeError, ValueError) as e:
-        print(f"ckptfs: error: {e}", file=sys.stderr)
+        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
     except MetaError as e:
-        print(f"ckptfs: error: {e} ({errno.errorcode.get(e.errno, e.errno)})", file=sys.stderr)
-    except ChunkStoreError as e:
-        print(f"ckptfs: error: {e}", file=sys.stderr)
+        print(
+            f"ckptfs: error: {shown(str(e))} ({errno.errorcode.get(e.errno, e.errno)})",
+            file=sys.stderr,
+        )
+    except (ChunkStoreError, NodeError) as e:
+        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
     except OSError as e:
-        print(f"ckptfs: error: {e}", file=sys.stderr)
+        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
     except KeyboardInterrupt:
         print("ckptfs: interrupted", file=sys.stderr)
         return 130
     return 1
-
-
-if __name__ == "__main__":
-    # Through the package module, not this __main__ copy: subcommand modules raise
-    # fusefs.cli.UserError, which this copy's `except UserError` would not catch.
-    from fusefs.cli import main as package_main
-
-    sys.exit(package_main())

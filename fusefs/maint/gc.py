@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from chunkstore.node import NodeError
-from fusefs.fsck import DEFAULT_GRACE
-from fusefs.progress import Progress
-from fusefs.volume import Volume
+from chunkstore.nodes import NodeError
+from fusefs.cli.progress import Progress
+from fusefs.client.volume import Volume
+from fusefs.maint.fsck import DEFAULT_GRACE
 
 BATCH = 1000
 

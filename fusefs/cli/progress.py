@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from fusefs.units import format_size
+from fusefs.cli.units import format_size
 
 
 class Progress:

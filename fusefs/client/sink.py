@@ -1,0 +1,287 @@
+"""The chunk sink: the one way chunks get from any writer into storage.
+
+Every frontend writes through here: the volume's FileWriter (CLI, `write_file`), the DCP
+writer (per-item cuts, tensors hashed in place) and the mount's dirty blocks. They differ
+only in where they cut chunks and how they publish the result (commit_file or
+commit_rank); what happens to a chunk is decided once, in this module:
+
+    pieces -> id (xxh3-128, in the volume's worker pool, a batch at a time)
+           -> "which of these exist?" (one metadata query per batch; known ones are skipped)
+           -> new chunk:  small and committed with commit_file  -> inline in the metadata
+                          local write-behind tier                -> staged raw, unsynced
+                          otherwise                              -> encoded, put unsynced
+           -> before the commit that names them: `sync()`, one batch of fsyncs.
+
+Why raw staging: on two cores even zstd's probe costs more than the local disk, so a save
+stages bytes as they are and the tier's uploader compresses them (codec.transcoder) after
+the save. Why unsynced puts: a writer that commits many chunks at once pays one round of
+fsyncs at its commit, not three per chunk. Why a bound on unsynced bytes: the tier can
+neither upload nor evict an unacknowledged chunk, so a long write syncs every
+`unsynced_cap` bytes (UNSYNCED_MAX, or a quarter of the staging budget if smaller) and a
+full staging of them can never stall it.
+
+The sink is per volume and thread-safe: its unsynced set is the volume's, since a sync
+acknowledges everything the tier (or the nodes) hold unsynced, whoever wrote it. A
+ChunkStream is one file's ordered pipeline over the sink: extents, new chunk records and
+a bounded window of stores in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from chunkstore import codec
+from chunkstore.ids import chunk_id, pieces_id
+from metadata.engine import DURABLE, INLINE_DATA_MAX, Extent, NewChunk
+
+if TYPE_CHECKING:
+    from fusefs.client.volume import Volume
+
+HASH_BATCH = 8  # chunks per "which exist?" query of a FileWriter
+INFLIGHT_BYTES = 64 * 2**20  # raw bytes being encoded/stored per stream
+UNSYNCED_MAX = 256 * 2**20  # unacknowledged bytes a volume's writers may hold
+
+Buffer = bytes | bytearray | memoryview
+Pieces = Sequence[Buffer]  # one chunk as consecutive buffers (not joined: copied once, late)
+Hint = tuple[str | None, int | None]  # (codec name, float element width) for a new chunk
+NO_HINT: Hint = (None, None)
+
+
+def _joined(pieces: Pieces) -> Buffer:
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+class ChunkSink:
+    """Ids, existence, storing and acknowledging chunks for every writer of one volume."""
+
+    def __init__(self, vol: Volume) -> None:
+        self.vol = vol
+        self._cond = threading.Condition()
+        self._unsynced: dict[bytes, int] = {}  # stored unsynced: chunk id -> bytes admitted
+        self._unsynced_bytes = 0  # their sum
+        self._reserved = 0  # bytes admitted for puts still running
+
+    # -- ids and existence ---------------------------------------------------------------
+    def ids(self, chunks: Sequence[Buffer | Pieces]) -> list[bytes]:
+        """The ids of a batch of chunks, each one buffer or a list of pieces (pieces_id).
+
+        Hashed on the pool in one task per worker (interleaved, so big and small chunks
+        spread evenly) rather than one per chunk: each task is a wake-up and a GIL handoff,
+        and eight DCP ranks on two cores pay for every one."""
+        seed = self.vol.seed
+
+        def ids(part: Sequence[Any]) -> list[bytes]:
+            return [pieces_id(c, seed) if isinstance(c, list) else chunk_id(c, seed) for c in part]
+
+        n = min(len(chunks), self.vol.workers)
+        if n <= 1:
+            return ids(chunks)
+        out: list[bytes] = [b""] * len(chunks)
+        for k, part in enumerate(self.vol.pool.map(lambda k: ids(chunks[k::n]), range(n))):
+            out[k::n] = part
+        return out
+
+    def missing(self, ids: list[bytes]) -> set[bytes]:
+        """Which of these chunks the volume lacks; the rest are written already (dedup).
+        Asking counts as a foreground write for the host's tier (WriteBehindTier.foreground)."""
+        if self.vol.tier is not None:
+            self.vol.tier.foreground()
+        return self.vol.meta.missing_chunks(ids)
+
+    # -- storing -------------------------------------------------------------------------
+    def store(
+        self, cid: bytes, pieces: Pieces, n: int, hint: Hint = NO_HINT, *, inline: bool = False
+    ) -> NewChunk:
+        """Store one new chunk (blocking, any thread); its record for the commit.
+
+        inline=True (a writer committing with commit_file): a chunk of at most
+        INLINE_DATA_MAX bytes is not stored; its record carries the bytes into the commit
+        (INLINE). Checkpoint commits (commit_rank) carry no bytes. The chunk is durable only
+        after the next `sync()`, which the writer calls before the commit naming it."""
+        if inline and n <= INLINE_DATA_MAX:
+            return NewChunk.inline(cid, bytes(_joined(pieces)))
+        codec_name, width = hint
+        vol, tier = self.vol, self.vol.tier
+        if tier is not None and tier.durability == "local":
+            parts = codec.raw_parts(list(pieces))  # not joined: fileio.write_new copies once
+            with self._unsynced_put(cid, n):
+                state = tier.put(cid, parts, sync=False, width=width)
+            return NewChunk(cid, n, n + codec.HEADER, state)
+        blob = codec.encode(
+            _joined(pieces), codec_name or vol.settings.compression, elem_width=width
+        )
+        if tier is not None:  # durability=remote: on R nodes when put returns
+            state = tier.put(cid, blob, sync=False, width=width)
+        else:
+            with self._unsynced_put(cid, n):
+                vol.store.put_encoded(cid, blob, sync=False)
+            state = DURABLE
+        return NewChunk(cid, n, len(blob), state)
+
+    def hash_and_store(self, pieces: Pieces, n: int) -> tuple[bytes, NewChunk | None]:
+        """One chunk in one call (the mount seals a block at a time, from many files at
+        once): its id, one "is it known?" query, and the store if it is not. A chunk small
+        enough to be inline skips the query: its record carries the bytes, and the commit
+        keeps a chunk row already there."""
+        cid = pieces_id(list(pieces), self.vol.seed)
+        if n > INLINE_DATA_MAX and not self.missing([cid]):
+            return cid, None
+        return cid, self.store(cid, pieces, n, inline=True)
+
+    # -- acknowledging -------------------------------------------------------------------
+    @property
+    def unsynced_cap(self) -> int:
+        """Unacknowledged bytes allowed: a quarter of the staging budget, at most UNSYNCED_MAX."""
+        budget = getattr(self.vol.tier, "budget", None)
+        return min(UNSYNCED_MAX, budget // 4) if budget else UNSYNCED_MAX
+
+    @contextmanager
+    def _unsynced_put(self, cid: bytes, n: int) -> Iterator[None]:
+        """Admit an unsynced put of n bytes under the cap, then count it as unacknowledged.
+
+        Admission waits while the bytes held (admitted puts still running plus stored,
+        unacknowledged ones) would pass the cap, acknowledging what is stored meanwhile; a
+        chunk bigger than the cap alone always goes. Counting before the put, not after,
+        keeps the bound strict with many workers storing at once."""
+        while True:
+            with self._cond:
+                held = self._reserved + self._unsynced_bytes
+                if not held or held + n <= self.unsynced_cap:
+                    self._reserved += n
+                    break
+                if not self._unsynced_bytes:  # only puts in flight: wait for one to land
+                    self._cond.wait(timeout=1.0)
+                    continue
+            self.sync()
+        try:
+            yield
+        except BaseException:
+            with self._cond:
+                self._reserved -= n
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._reserved -= n
+            if cid not in self._unsynced:
+                self._unsynced[cid] = n
+                self._unsynced_bytes += n
+            self._cond.notify_all()
+
+    def is_unsynced(self, cid: bytes) -> bool:
+        return cid in self._unsynced
+
+    def sync(self) -> None:
+        """Acknowledge every chunk stored unsynced so far (one batch of fsyncs). Chunks
+        stored while this runs stay in the set for the next call."""
+        with self._cond:
+            ids = list(self._unsynced)
+        if not ids:
+            return
+        if self.vol.tier is not None:
+            self.vol.tier.sync_staged()
+        else:
+            self.vol.store.sync()
+        with self._cond:
+            for cid in ids:
+                self._unsynced_bytes -= self._unsynced.pop(cid, 0)
+            self._cond.notify_all()
+
+    def discard_unsynced(self) -> None:
+        """Forget chunks stored unsynced by a save that failed (the tier drops its files)."""
+        with self._cond:
+            self._unsynced.clear()
+            self._unsynced_bytes = 0
+            self._cond.notify_all()
+        if self.vol.tier is not None:
+            self.vol.tier.discard_unsynced()
+
+    def stream(
+        self, *, inline: bool, batch: int = HASH_BATCH, inflight: int = INFLIGHT_BYTES
+    ) -> ChunkStream:
+        return ChunkStream(self, inline=inline, batch=batch, inflight=inflight)
+
+
+class ChunkStream:
+    """One file's chunks, in file order: extents and the records of its new chunks.
+
+    Chunks are added in order; every `batch` of them is hashed together and checked with
+    one query, and the new ones go to the pool to be stored, at most `inflight` raw bytes
+    at a time (memory stays bounded whatever the file size). `finish()` waits for the
+    stores; the caller then syncs (the sink) and commits. Pieces must stay unchanged until
+    finish (DCP keeps the tensors they view alive until then)."""
+
+    def __init__(self, sink: ChunkSink, *, inline: bool, batch: int, inflight: int) -> None:
+        self.sink = sink
+        self.inline = inline
+        self.batch_n = batch
+        self.inflight_max = inflight
+        self.size = 0
+        self.extents: list[Extent] = []
+        self.new_chunks: dict[bytes, NewChunk] = {}
+        self._batch: list[tuple[int, Pieces, int, Hint]] = []
+        self._inflight: deque[tuple[Future[NewChunk], int]] = deque()
+        self._inflight_bytes = 0
+        self._planned: set[bytes] = set()
+
+    def add(self, pieces: Pieces, n: int, hint: Hint = NO_HINT) -> None:
+        """The next chunk of the file: n bytes as one or more pieces."""
+        self._batch.append((self.size, pieces, n, hint))
+        self.size += n
+        if len(self._batch) >= self.batch_n:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hash and look up the chunks added so far; send the new ones to be stored."""
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        sink = self.sink
+        ids = sink.ids([p[0] if len(p) == 1 else list(p) for _, p, _, _ in batch])
+        ask = [cid for cid in dict.fromkeys(ids) if cid not in self._planned]
+        missing = sink.missing(ask) if ask else set()
+        for (off, pieces, n, hint), cid in zip(batch, ids, strict=True):
+            self.extents.append(Extent(off, n, cid, 0))
+            if cid in missing and cid not in self._planned:
+                self._planned.add(cid)
+                while self._inflight and self._inflight_bytes + n > self.inflight_max:
+                    self._reap()
+                fut = sink.vol.pool.submit(sink.store, cid, pieces, n, hint, inline=self.inline)
+                self._inflight.append((fut, n))
+                self._inflight_bytes += n
+
+    def _reap(self) -> None:
+        fut, n = self._inflight.popleft()
+        self._inflight_bytes -= n
+        rec = fut.result()
+        self.new_chunks[rec.chunk_id] = rec
+
+    def finish(self) -> None:
+        """Every chunk added is stored (unsynced) or known; raises the first store error."""
+        self.flush()
+        while self._inflight:
+            self._reap()
+
+    def abort(self) -> None:
+        """Cancel or wait out the stores in flight; the first error is the one reported."""
+        self._batch = []
+        while self._inflight:
+            fut, _ = self._inflight.popleft()
+            fut.cancel()
+            try:
+                fut.result()
+            except BaseException:  # noqa: S110
+                pass
+
+    def record(self, path: str) -> dict:
+        """The file as commit_rank takes it."""
+        return {
+            "path": path,
+            "size": self.size,
+            "extents": self.extents,
+            "new_chunks": list(self.new_chunks.values()),
+        }

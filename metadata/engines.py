@@ -1,0 +1,33 @@
+"""The metadata engines by URL: the one place that maps `sqlite:PATH` and
+`postgresql://...` to an engine, so that no frontend names a database library."""
+
+from __future__ import annotations
+
+import os
+
+from metadata.engine import MetaEngine
+
+
+class EngineURLError(ValueError):
+    """A metadata URL that names no engine, or a database that cannot be opened."""
+
+
+def open_engine(url: str, base_dir: str) -> MetaEngine:
+    """The engine for a volume's metadata URL; relative SQLite paths resolve against
+    base_dir (the volume directory)."""
+    if url.startswith("sqlite:"):
+        import sqlite3
+
+        from metadata.sqlite import SqliteEngine
+
+        db = url[len("sqlite:") :]
+        path = db if os.path.isabs(db) else os.path.join(base_dir, db)
+        try:
+            return SqliteEngine(path)
+        except sqlite3.Error as e:  # e.g. a database this user may not open: one line
+            raise EngineURLError(f"cannot open the metadata database {path}: {e}") from None
+    if url.startswith(("postgresql://", "postgres://")):
+        from metadata.postgres import PostgresEngine
+
+        return PostgresEngine(url)
+    raise EngineURLError(f"unknown metadata engine URL {url!r}")

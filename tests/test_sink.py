@@ -1,0 +1,119 @@
+"""The chunk sink (fusefs.client.sink) decides, once for every writer, what happens to a
+chunk: inline, staged raw in a local tier, or encoded onto the nodes; acknowledged in one
+batch before the commit; unacknowledged bytes bounded. These tests hold each rule against
+a real volume (directory nodes, a real tier) through the writers that use it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from chunkstore import codec
+from fusefs.client.sink import UNSYNCED_MAX
+from fusefs.client.volume import Volume, VolumeSettings
+from metadata.engine import DURABLE, INLINE, STAGED
+
+MiB = 2**20
+
+
+@pytest.fixture
+def vol(tmp_path):
+    v = Volume.create(
+        str(tmp_path / "vol"), nodes=3, settings=VolumeSettings(chunk_size=1 * MiB, replicas=2)
+    )
+    yield v
+    v.close()
+
+
+def _staged_codec(v: Volume, cid: bytes) -> str:
+    with open(os.path.join(v.tier.staged_dir, cid.hex()), "rb") as f:
+        return codec.header_info(f.read(codec.HEADER))[1]
+
+
+def test_local_tier_stages_raw_and_acknowledges_before_the_commit(vol, tmp_path):
+    vol.attach_tier(str(tmp_path / "staging"), durability="local")
+    data = bytes(3 * MiB)  # compressible: staged raw all the same, compressed at upload
+    syncs = []
+    real = vol.tier.sync_staged
+    vol.tier.sync_staged = lambda: syncs.append(1) or real()
+    with vol.open_write("/z") as w:
+        w.write(data)
+    recs = list(w.new_chunks.values())
+    assert recs and all(r.state == STAGED for r in recs)
+    assert all(_staged_codec(vol, r.chunk_id) == "none" for r in recs)
+    assert not any(vol.sink.is_unsynced(r.chunk_id) for r in recs)
+    assert syncs == [1]  # one batch of fsyncs for the whole file
+    assert vol.read_file("/z") == data
+
+
+def test_without_a_tier_chunks_are_encoded_and_synced_once(vol):
+    calls = []
+    real = vol.store.sync
+    vol.store.sync = lambda: calls.append(1) or real()
+    data = bytes(2 * MiB) + os.urandom(MiB)
+    with vol.open_write("/f") as w:
+        w.write(data)
+    recs = {r.chunk_id: r for r in w.new_chunks.values()}
+    zero = next(r for r in recs.values() if r.raw_len == MiB and r.stored_len < MiB // 10)
+    assert zero.state == DURABLE  # the zeros compressed on the way to the nodes
+    assert calls == [1]
+    assert vol.read_file("/f") == data
+
+
+def test_small_chunks_go_inline_only_into_file_commits(vol):
+    with vol.open_write("/small") as w:
+        w.write(b"tiny")
+    (rec,) = w.new_chunks.values()
+    assert rec.state == INLINE and rec.data == b"tiny"
+    stream = vol.sink.stream(inline=False)  # a checkpoint rank's file: no inline chunks
+    stream.add([b"tin", b"y!"], 5)
+    stream.finish()
+    vol.sink.sync()
+    (rec,) = stream.new_chunks.values()
+    assert rec.state == DURABLE and rec.data == b""
+    assert stream.record("r")["extents"][0].length == 5
+
+
+def test_unacknowledged_bytes_stay_under_the_cap(vol, tmp_path):
+    """A long write syncs as it goes: a quarter of a small staging budget here."""
+    vol.attach_tier(str(tmp_path / "staging"), size=16 * MiB, durability="local")
+    cap = vol.sink.unsynced_cap
+    assert cap == 4 * MiB < UNSYNCED_MAX
+    peak = []
+    real_put = vol.tier.put
+
+    def put(cid, blob, **kw):
+        out = real_put(cid, blob, **kw)
+        peak.append(vol.sink._unsynced_bytes + vol.sink._reserved)  # this put counted
+        return out
+
+    vol.tier.put = put
+    data = os.urandom(12 * MiB)
+    with vol.open_write("/long") as w:
+        w.write(data)
+    assert len(peak) == 12
+    assert max(peak) <= cap  # never more unacknowledged than the cap, with 8 workers
+    assert vol.read_file("/long") == data
+
+
+def test_the_mount_path_dedups_against_a_file_writer(vol):
+    """hash_and_store (the mount's per-block call) finds a chunk a FileWriter stored."""
+    block = os.urandom(MiB)
+    vol.write_file("/a", block)
+    cid, rec = vol.sink.hash_and_store([block[:100], block[100:]], MiB)
+    assert rec is None
+    (e,) = vol.meta.get_extents(vol.resolve("/a").ino)
+    assert e.chunk_id == cid
+
+
+def test_a_failed_store_fails_the_close_and_commits_nothing(vol):
+    def broken(*a, **kw):
+        raise OSError(5, "disk on fire")
+
+    vol.store.put_encoded = broken
+    w = vol.open_write("/bad")
+    w.write(os.urandom(2 * MiB))
+    with pytest.raises(OSError, match="disk on fire"):
+        w.close()
+    assert vol.resolve("/bad").size == 0
