@@ -4,7 +4,7 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
-.PHONY: install demo test lint bench
+.PHONY: install demo test lint bench check-wheel
 
 install:
 	bash scripts/install-system.sh
@@ -20,3 +20,8 @@ test: install
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+
+# The wheel on its own: built, installed into a fresh venv, `ckptfs bench --nodes s3` and
+# `ckptfs demo` run from outside the repository (about 2 minutes).
+check-wheel:
+	bash scripts/check-wheel.sh --demo

@@ -33,9 +33,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         data=args.data,
         durability=args.durability,
         nodes=args.nodes,
-        node_count=args.node_count or (3 if args.nodes == "s3" else 4),
+        node_count=args.node_count,
         replicas=args.replicas,
         chunk_size=args.chunk_size,
+        topology=args.topology,
+        link=args.link,
+        meta_replicas=args.meta_replicas,
+        db=args.db,
+        kill_meta=args.kill_meta,
+        partition_host=args.partition_host,
+        rolling_restart=args.rolling_restart,
+        restart_db=args.restart_db,
+        fault_hold=args.fault_hold,
         kill_node=args.kill_node,
         kill_rank=args.kill_rank,
         slow_rank=args.slow_rank,
@@ -98,10 +107,39 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--nodes",
         choices=["dir", "s3"],
-        default="dir",
-        help="--embedded node kind (s3 = SeaweedFS servers started here)",
+        default=None,
+        help="--embedded node kind (s3 = SeaweedFS servers started here; default dir, "
+        "s3 with --topology netns)",
     )
     b.add_argument("--node-count", type=int, default=None, help="default 4 (dir), 3 (s3)")
+    b.add_argument(
+        "--topology",
+        choices=["loopback", "netns"],
+        default="loopback",
+        help="loopback: every server on 127.0.0.1; netns: every host, service replica, the "
+        "database and every S3 node in a network namespace of its own on one bridge "
+        "(198.18.0.0/16; needs root)",
+    )
+    b.add_argument(
+        "--link",
+        metavar="RATE[/DELAY]",
+        default=None,
+        help="netns: shape every host's link with tc, e.g. 1gbit or 1gbit/2ms (the delay "
+        "needs netem in the kernel)",
+    )
+    b.add_argument(
+        "--meta-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="service replicas sharing the volume's database (N > 1 needs --db postgres)",
+    )
+    b.add_argument(
+        "--db",
+        choices=["sqlite", "postgres"],
+        default="sqlite",
+        help="--embedded metadata engine (postgres: a throwaway PostgreSQL started here)",
+    )
     b.add_argument("--replicas", type=int, default=2)
     b.add_argument(
         "--chunk-size", type=size_arg, default=None, help="default: shard/4 within 64KiB..4MiB"
@@ -118,9 +156,39 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="N ranks (default 1) wait --slow-delay before saving",
     )
     b.add_argument("--slow-node", action="store_true", help="node n0 adds --slow-node-delay")
+    b.add_argument(
+        "--kill-meta",
+        action="store_true",
+        help="SIGKILL a service replica mid-step, restart it --fault-hold later",
+    )
+    b.add_argument(
+        "--partition-host",
+        action="store_true",
+        help="cut one host's link mid-save for --fault-hold (loopback: its process stops)",
+    )
+    b.add_argument(
+        "--rolling-restart",
+        action="store_true",
+        help="restart every S3 node, one after another, during the run",
+    )
+    b.add_argument(
+        "--restart-db", action="store_true", help="restart PostgreSQL mid-step (--db postgres)"
+    )
+    b.add_argument(
+        "--fault-hold",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="how long a killed replica, a cut link or a stopped database stays down",
+    )
     b.add_argument("--slow-delay", type=float, default=2.0, metavar="S")
     b.add_argument("--slow-node-delay", type=float, default=0.02, metavar="S")
-    b.add_argument("--fault-step", type=int, default=2, help="step the kill faults hit")
+    b.add_argument(
+        "--fault-step",
+        type=int,
+        default=2,
+        help="step the kill faults hit; the fleet faults take one step each from here",
+    )
     b.add_argument(
         "--deadline",
         type=float,

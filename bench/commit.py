@@ -266,10 +266,10 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def run(engine: str, n: int, procs: int, tmp: str, tls: bool = False) -> dict:
+    from bench.servers.metaserve import MetaServer, self_signed
+    from bench.servers.postgres import PgCluster, pg_available
     from fusefs.client.volume import Volume
     from metadata.client import connect
-    from tests.fixtures.postgres import PgCluster, pg_available
-    from tests.fixtures.service import MetaServer, self_signed
 
     cluster = None
     db = None

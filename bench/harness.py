@@ -11,126 +11,43 @@ The coordinator (this module) owns the environment and the clock; worker process
 Faults are injected at `fault_step`: a node dies once a quarter of the ranks have committed
 (its directory replaced by a file, or its SeaweedFS server SIGKILLed), one rank dies halfway
 through its shard (the step must then be aborted at its deadline), ranks or a node are slowed.
-The verdict: every step either published with every byte verified, or (only where a fault was
-injected) was aborted with the previous step still the latest and still verified. Anything else
-fails the run. Everything listens on 127.0.0.1 only; every wait has a time bound.
+Fleet faults (bench.harness_faults) take one step each from there: a service replica killed
+and restarted, a host's link cut and healed, PostgreSQL restarted, and a rolling restart of
+every S3 node across steps.
+
+The verdict (bench.harness_report.judge): every step either published with every byte
+verified, or (only where an injected fault made publishing impossible in time) was aborted
+with the previous step still the latest and still verified; every staged chunk drained; no
+acknowledged write lost (after the faults are undone, the first and last published steps
+read back whole); every fault undone. Anything else fails the run.
+
+Where it runs (bench.harness_env): on 127.0.0.1 (`loopback`), or with every host, replica,
+the database and every node in a network namespace of its own on 198.18.0.0/16 (`netns`,
+bench.netns). Every wait has a time bound; everything started is torn down at the end, on
+failure and on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
-import select
 import signal
-import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 from bench.common import disk_write
-from bench.harness_data import KINDS, ShardMaker
-from chunkstore.chunker import MAX_CHUNK, MIN_CHUNK
+from bench.harness_config import HarnessConfig, HarnessError
+from bench.harness_data import ShardMaker
+from bench.harness_env import Env
+from bench.harness_faults import FaultRunner
 from fusefs.cli.progress import Progress
+from metadata.engine import MetaError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READY_TIMEOUT = 180.0
-
-
-class HarnessError(ValueError):
-    """The harness could not run (bad options, environment failure): one line for the user.
-
-    A ValueError, so `ckptfs` prints it as one line however the CLI module was imported."""
-
-
-@dataclass
-class HarnessConfig:
-    volume: str | None = None  # None: --embedded
-    ranks: int = 64
-    hosts: int = 2
-    shard_size: int = 2**20
-    steps: int = 3
-    change_rate: float = 1.0
-    data: str = "random"
-    durability: str = "local"
-    nodes: str = "dir"
-    node_count: int = 4
-    replicas: int = 2
-    chunk_size: int | None = None
-    kill_node: bool = False
-    kill_rank: bool = False
-    slow_rank: int = 0
-    slow_node: bool = False
-    slow_delay: float = 2.0
-    slow_node_delay: float = 0.02
-    fault_step: int = 2
-    deadline: float | None = None
-    procs: int | None = None
-    threads_per_host: int = 4
-    phase_timeout: float = 900.0
-    seed: int = 1
-    corrupt: list[int] | None = None  # [step, rank]: flip a byte before writing (tests)
-    progress: bool | None = None
-    workdir: str | None = None
-
-    def effective_chunk(self) -> int:
-        if self.chunk_size:
-            return self.chunk_size
-        return max(MIN_CHUNK, min(4 * 2**20, self.shard_size // 4))
-
-    def validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise HarnessError(msg)
-
-        need(1 <= self.ranks <= 1 << 20, "--ranks must be 1..1048576")
-        need(1 <= self.hosts <= self.ranks, "--hosts must be 1..ranks")
-        need(4096 <= self.shard_size <= 2**30, "--shard-size must be 4KiB..1GiB")
-        need(1 <= self.steps <= 1000, "--steps must be 1..1000")
-        need(0.0 <= self.change_rate <= 1.0, "--change-rate must be in [0, 1]")
-        need(self.data in KINDS, f"--data must be one of {', '.join(KINDS)}")
-        need(self.durability in ("local", "remote"), "--durability must be local or remote")
-        need(self.nodes in ("dir", "s3"), "--nodes must be dir or s3")
-        need(1 <= self.replicas <= self.node_count <= 64, "need 1 <= replicas <= nodes <= 64")
-        need(MIN_CHUNK <= self.effective_chunk() <= MAX_CHUNK, "--chunk-size must be 64KiB..64MiB")
-        need(0 <= self.slow_rank <= self.ranks, "--slow-rank must be 0..ranks")
-        need(1 <= self.threads_per_host <= 64, "--threads-per-host must be 1..64")
-        need(self.phase_timeout > 0, "--phase-timeout must be positive")
-        faults = self.kill_node or self.kill_rank
-        if faults:
-            need(1 <= self.fault_step <= self.steps, "--fault-step must be within --steps")
-        if self.kill_rank:
-            need(
-                self.fault_step >= 2,
-                "--kill-rank needs --fault-step >= 2 (a previous step to keep)",
-            )
-        if self.volume is not None:
-            need(not self.kill_node, "--kill-node destroys a node: only with --embedded")
-            need(self.nodes == "dir", "--nodes applies to --embedded only")
-        if self.kill_node:
-            need(self.replicas >= 2, "--kill-node needs --replicas >= 2 to keep the data")
-        if self.nodes == "s3":
-            from bench.harness_env import weed_path
-
-            need(weed_path() is not None, "--nodes s3 needs SeaweedFS (`weed`) installed")
-
-    def layout(self) -> tuple[list[list[int]], list[list[int]]]:
-        """(ranks of each host: contiguous, like GPUs of a machine; hosts of each process)."""
-        per = -(-self.ranks // self.hosts)
-        hosts = [list(range(h * per, min(self.ranks, (h + 1) * per))) for h in range(self.hosts)]
-        hosts = [h for h in hosts if h]
-        procs = self.procs or min(len(hosts), 4)
-        procs = max(1, min(procs, len(hosts)))
-        return hosts, [list(range(p, len(hosts), procs)) for p in range(procs)]
-
-    def slow_ranks(self) -> list[int]:
-        if not self.slow_rank:
-            return []
-        stride = max(1, self.ranks // self.slow_rank)
-        return [(1 + i * stride) % self.ranks for i in range(self.slow_rank)]
-
-    def victim(self) -> int:
-        return self.ranks // 2
 
 
 @dataclass
@@ -147,26 +64,50 @@ class StepRecord:
     published: float | None = None
     load_start: float = 0.0
     info: dict = field(default_factory=dict)
+    deadline: float = 3600.0
+    may_abort: bool = False  # an injected fault may make publishing impossible in time
 
 
 class Workers:
-    """The worker processes and the pipe protocol to them; every wait is bounded."""
+    """The worker processes and the pipe protocol to them; every wait is bounded.
 
-    def __init__(self, cfg: HarnessConfig, wcfg: dict, hosts: list[list[int]], groups) -> None:
+    `netns`: host index -> network namespace path; a process of one such host enters it
+    before it opens anything (bench.netns.enter), so every connection it makes is the
+    host's own."""
+
+    def __init__(
+        self,
+        cfg: HarnessConfig,
+        wcfg: dict,
+        hosts: list[list[int]],
+        groups,
+        netns: dict[int, str] | None = None,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
+        self.groups = [list(g) for g in groups]
         from bench.harness_worker import worker_main
 
-        for g in groups:
-            parent, child = ctx.Pipe()
-            p = ctx.Process(
-                target=worker_main, args=(child, wcfg, [(h, hosts[h]) for h in g]), daemon=True
-            )
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
-        self.gather("ready", READY_TIMEOUT, None)
+        try:
+            for g in groups:
+                parent, child = ctx.Pipe()
+                ns = (netns or {}).get(g[0]) if len(g) == 1 else None
+                p = ctx.Process(
+                    target=worker_main,
+                    args=(child, wcfg, [(h, hosts[h]) for h in g], ns),
+                    daemon=True,
+                )
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
+            self.gather("ready", READY_TIMEOUT, None)
+        except BaseException:
+            self.stop()
+            raise
+
+    def host_pids(self) -> dict[int, int]:
+        return {h: p.pid for g, p in zip(self.groups, self.procs, strict=True) for h in g}
 
     def send(self, msg: tuple) -> None:
         for c in self.conns:
@@ -198,7 +139,8 @@ class Workers:
                         if on_progress:
                             on_progress(sum(counts))
                     elif msg[0] == "error":
-                        raise HarnessError(f"worker {i} failed:\n{msg[1]}")
+                        last = msg[1].strip().splitlines()[-1:] or ["?"]
+                        raise HarnessError(f"worker {i} failed: {last[0]}")
                     elif msg[0] in ("result", "ready"):
                         answers[i] = msg[1]
                 else:
@@ -231,11 +173,20 @@ def _percentile(xs: list[float], p: float) -> float | None:
 
 
 def run(cfg: HarnessConfig, log=None) -> dict:
-    """Run the whole benchmark; returns the report dict (see bench.harness_report)."""
-    from bench.harness_env import Env
+    """Run the whole benchmark; returns the report dict (see bench.harness_report).
+
+    Whatever happens (an error, Ctrl-C, SIGTERM), everything the run started is stopped
+    and removed before this returns or raises: faults undone, workers, servers, the
+    namespaces and their links, temporary files."""
     from metadata.client import connect
 
     cfg.validate()
+    if cfg.topology == "netns":  # before anything is made: one line, nothing to undo
+        from bench.netns import rights
+
+        reason = rights()
+        if reason:
+            raise HarnessError(reason)
     say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     show = sys.stderr.isatty() if cfg.progress is None else cfg.progress
     chunk = cfg.effective_chunk()
@@ -243,16 +194,26 @@ def run(cfg: HarnessConfig, log=None) -> dict:
     env = Env(cfg, chunk)
     workers = None
     meta = None
+    faults = FaultRunner(cfg, env, say)
     steps: list[StepRecord] = []
+    errors: list[str] = []
     t_run = time.time()
+    topology: dict = {}
+    flush = final = None
+    latest = durable = None
+    stats: dict = {}
+    counters = {"failovers": 0, "reconnects": 0}
+    signals = _Signals()
     try:
-        env.start(say)
+        env.start(say, len(hosts))
+        topology = env.topology()
         meta = connect(env.url)
         job = f"bench-{int(t_run)}-{os.getpid()}"
         step_bytes = cfg.ranks * cfg.shard_size
         per_host = max(len(h) for h in hosts) * cfg.shard_size
         wcfg = {
             "url": env.url,
+            "urls": dict(env.host_urls),
             "job": job,
             "staging_root": env.staging_root,
             "staging_size": max(256 * 2**20, 4 * per_host),
@@ -270,55 +231,177 @@ def run(cfg: HarnessConfig, log=None) -> dict:
             "kill_rank": [cfg.fault_step, cfg.victim()] if cfg.kill_rank else None,
             "corrupt": list(cfg.corrupt) if cfg.corrupt else None,
             "phase_timeout": cfg.phase_timeout,
+            "log_dir": env.log_dir,
         }
         say(
             f"ckptfs bench: {cfg.ranks} ranks on {len(hosts)} hosts in {len(groups)} processes, "
             f"{cfg.steps} steps of {step_bytes / 2**20:.0f} MiB ({cfg.data}, change rate "
-            f"{cfg.change_rate}, chunks {chunk // 1024} KiB, durability {cfg.durability})"
+            f"{cfg.change_rate}, chunks {chunk // 1024} KiB, durability {cfg.durability}, "
+            f"topology {cfg.topology})"
         )
+        if faults.plan:
+            plan = ", ".join(f"{k} at step {v}" for k, v in faults.plan.items())
+            say(f"faults: {plan} (each down {cfg.fault_hold:g}s)")
         baseline = _disk_baseline(env.root, min(step_bytes, 256 * 2**20), cfg)
-        workers = Workers(cfg, wcfg, hosts, groups)
+        workers = Workers(cfg, wcfg, hosts, groups, env.host_ns)
+        env.worker_pids = workers.host_pids()
         if cfg.slow_node:
             env.slow_node()
         prev_published: int | None = None
         for step in range(1, cfg.steps + 1):
-            rec = _save_step(cfg, env, workers, meta, job, step, show, steps)
+            rec = _save_step(cfg, env, workers, meta, job, step, show, steps, faults)
             if rec.state == "published":
                 rec.loaded_step = step
             else:
                 rec.loaded_step = prev_published
-            rec.latest_after = meta.latest(job)
+            rec.latest_after = _try(errors, "latest", meta.latest, job)
             if rec.loaded_step is not None:
                 _load_step(cfg, workers, rec, show)
             if rec.state == "published":
                 prev_published = step
             steps.append(rec)
             say(_step_line(rec, cfg))
-        flush = None
-        if cfg.durability == "local":
+            if cfg.fail_after_step == step:
+                raise HarnessError(f"injected failure after step {step} (test hook)")
+        faults.finish()
+        for r in steps:  # an outage longer than the step's deadline may abort it
+            if faults.outage_end(r.step) > r.start + r.deadline:
+                r.may_abort = True
+        alive = _try(errors, "latest before the drain", meta.latest, job) is not None or not any(
+            r.state == "published" for r in steps
+        )
+        if cfg.durability == "local" and not alive:  # nothing can be marked durable
+            flush = {"ok": False, "s": 0.0, "errors": ["the service cannot read its database"]}
+        elif cfg.durability == "local":
             t0 = time.time()
-            workers.send(("flush", cfg.phase_timeout))
-            res = [
-                r for part in workers.gather("flush", cfg.phase_timeout + 60, None) for r in part
-            ]
+            drain = _drain_timeout(cfg)
+            workers.send(("flush", drain))
+            res = [r for part in workers.gather("flush", drain + 60, None) for r in part]
             flush = {
                 "ok": all(r["ok"] for r in res),
                 "s": round(time.time() - t0, 3),
                 "errors": [f"{r['host']}: {r['error']}" for r in res if not r["ok"]][:5],
             }
-        latest, durable = meta.latest(job), meta.latest_durable(job)
-        stats = meta.stats().as_dict()
+        final = _final_check(cfg, workers, meta, job, steps, show, errors)
+        workers.send(("counters",))
+        for part in workers.gather("counters", 60, None):
+            for k in counters:
+                counters[k] += int(part.get(k, 0))
+        counters["failovers"] += int(getattr(meta, "failovers", 0) or 0)
+        latest = _try(errors, "latest", meta.latest, job)
+        durable = _try(errors, "latest_durable", meta.latest_durable, job)
+        got = _try(errors, "stats", meta.stats)
+        stats = got.as_dict() if got is not None else {}
     finally:
-        if workers is not None:
-            workers.stop()
-        if meta is not None:
-            meta.close()
-        env.stop()
+        worker_logs = env.log_summary()
+        with signals.held():
+            faults.abort()
+            if workers is not None:
+                workers.stop()
+            if meta is not None:
+                try:
+                    meta.close()
+                except Exception:  # noqa: S110 - closing a client whose service is gone
+                    pass
+            env.stop()
+            signals.restore()
+            if env.problems:
+                say(f"teardown: {'; '.join(env.problems)}")
     from bench.harness_report import build_report
 
     return build_report(
-        cfg, job, chunk, steps, baseline, flush, latest, durable, stats, env.killed, t_run
+        cfg,
+        job,
+        chunk,
+        steps,
+        baseline,
+        flush,
+        latest,
+        durable,
+        stats,
+        env.killed,
+        t_run,
+        topology=topology,
+        faults=faults.as_list(t_run),
+        counters=counters,
+        final=final,
+        errors=errors + env.problems,
+        worker_logs=worker_logs,
     )
+
+
+def _drain_timeout(cfg: HarnessConfig) -> float:
+    """How long the final drain may take: every byte of the run at a slow 20 MB/s per
+    replica, at least 5 minutes, at most --phase-timeout (a drain that cannot finish, as
+    against a service that lost its database, ends the run in minutes, not in hours)."""
+    total = cfg.steps * cfg.ranks * cfg.shard_size * cfg.replicas
+    return min(cfg.phase_timeout, max(300.0, total / 20e6))
+
+
+class _Signals:
+    """SIGTERM ends a run as Ctrl-C does (KeyboardInterrupt, so the teardown runs), and
+    neither signal can cut the teardown short. Only in the main thread (the only one
+    Python delivers signals to); elsewhere a no-op."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, object] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        signal.signal(signal.SIGTERM, self._interrupt)
+
+    @staticmethod
+    def _interrupt(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def held(self):
+        if self.saved:
+            for s in self.saved:
+                signal.signal(s, signal.SIG_IGN)
+        yield
+
+    def restore(self) -> None:
+        for s, h in self.saved.items():
+            signal.signal(s, h)  # type: ignore[arg-type]
+        self.saved = {}
+
+
+def _try(errors: list[str], what: str, fn, *args):
+    """A metadata call after the steps: a failure is a finding of the run, not a crash."""
+    try:
+        return fn(*args)
+    except MetaError as e:
+        errors.append(f"{what}: {e}")
+        return None
+
+
+def _final_check(cfg, workers, meta, job, steps, show, errors) -> dict:
+    """No acknowledged write lost: after every fault was undone and the tiers drained,
+    every step the run saw published is still published, and the first and the last of
+    them read back whole (every rank, every byte compared)."""
+    published = [r.step for r in steps if r.state == "published"]
+    out: dict = {"ok": True, "steps": [], "not_published_any_more": []}
+    if not published:
+        return out
+    rows = _try(errors, "list_checkpoints", meta.list_checkpoints, job)
+    if rows is None:
+        out["ok"] = False
+        out["error"] = "the service could not list the job's steps"
+        return out
+    state = {int(r["step"]): r["state"] for r in rows}
+    out["not_published_any_more"] = [s for s in published if state.get(s) != "published"]
+    for step in sorted({published[0], published[-1]}):
+        rec = StepRecord(step)
+        rec.loaded_step = step
+        _load_step(cfg, workers, rec, show, label="final check")
+        ok = sum(1 for r in rec.load if r.get("ok"))
+        bad = [f"{r['rank']}: {r['error']}" for r in rec.load if not r.get("ok")]
+        out["steps"].append({"step": step, "verified": ok, "failures": bad[:5]})
+    out["ok"] = not out["not_published_any_more"] and all(
+        s["verified"] == cfg.ranks for s in out["steps"]
+    )
+    return out
 
 
 def _disk_baseline(root: str, nbytes: int, cfg: HarnessConfig) -> dict:
@@ -336,7 +419,7 @@ def _disk_baseline(root: str, nbytes: int, cfg: HarnessConfig) -> dict:
     return {"bytes": written, "s": round(secs, 4), "gbps": round(written / 1e9 / secs, 3)}
 
 
-def _save_step(cfg, env, workers, meta, job, step, show, steps) -> StepRecord:
+def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepRecord:
     rec = StepRecord(step)
     faulty = step == cfg.fault_step
     deadline = cfg.deadline
@@ -345,14 +428,21 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps) -> StepRecord:
         if faulty and cfg.kill_rank:  # the abort comes at the deadline: keep it short
             prev = max((_save_seconds(s) or 0 for s in steps), default=0)
             deadline = max(10.0, 3 * prev)
-    meta.begin(job, step, cfg.ranks, deadline_s=deadline)
+    rec.deadline = deadline
+    try:
+        meta.begin(job, step, cfg.ranks, deadline_s=deadline)
+    except MetaError as e:  # the service cannot take the step: a finding, not a crash
+        rec.state, rec.reason = "not begun", str(e)
+        return rec
     if faulty and cfg.kill_rank:
         rec.faults.append(f"kill-rank {cfg.victim()}")
+        rec.may_abort = True
     if cfg.slow_node:
         rec.faults.append("slow-node n0")
     if cfg.slow_rank:
         rec.faults.append(f"slow-rank x{cfg.slow_rank}")
     rec.start = time.time() + 0.3
+    faults.step_started(rec)
     workers.send(("save", step, rec.start))
     bar = Progress(cfg.ranks, f"step {step} save", enabled=show, unit="ranks")
     seen = [0]
@@ -363,6 +453,8 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps) -> StepRecord:
         if faulty and cfg.kill_node and not env.killed and n >= max(1, cfg.ranks // 4):
             env.kill_node()
             rec.faults.append(f"kill-node {env.killed} at {n}/{cfg.ranks} ranks")
+            rec.may_abort = True
+        faults.save_progress(rec, n)
 
     try:
         parts = workers.gather("save", cfg.phase_timeout + 60, progress)
@@ -371,18 +463,31 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps) -> StepRecord:
     if faulty and cfg.kill_node and not env.killed:  # a tiny run finished before a report
         env.kill_node()
         rec.faults.append(f"kill-node {env.killed} after the writes")
+        rec.may_abort = True
+    faults.save_done(rec)
     rec.save = sorted((r for p in parts for r in p), key=lambda r: r["rank"])
-    info = meta.wait_published(job, step, timeout=deadline + 60)
-    rec.state, rec.reason = info["state"], info.get("reason", "")
-    rec.info = meta.checkpoint_info(job, step)
+    wait = deadline + 60
+    if any(r.get("error") and not r.get("killed") for r in rec.save):
+        wait = min(wait, 10.0)  # a rank that failed never commits: the step cannot publish
+    try:
+        info = meta.wait_published(job, step, timeout=wait)
+        rec.state, rec.reason = info["state"], info.get("reason", "")
+    except MetaError as e:
+        rec.state, rec.reason = "open", f"not published: {e}"
+    faults.step_done(rec)
+    try:
+        rec.info = meta.checkpoint_info(job, step)
+    except MetaError:
+        rec.info = {}
     rec.published = rec.info.get("published")
     return rec
 
 
-def _load_step(cfg, workers, rec: StepRecord, show: bool) -> None:
+def _load_step(cfg, workers, rec: StepRecord, show: bool, label: str = "") -> None:
     rec.load_start = time.time() + 0.3
     workers.send(("load", rec.loaded_step, rec.load_start))
-    bar = Progress(cfg.ranks, f"step {rec.step} load", enabled=show, unit="ranks")
+    what = label or f"step {rec.step} load"
+    bar = Progress(cfg.ranks, what, enabled=show, unit="ranks")
     seen = [0]
 
     def progress(n: int) -> None:
@@ -414,56 +519,3 @@ def _step_line(rec: StepRecord, cfg: HarnessConfig) -> str:
     if rec.faults:
         what += f"  [{'; '.join(rec.faults)}]"
     return what
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-
-
-class MetaServe:
-    """`ckptfs meta serve VOLUME --listen 127.0.0.1:0` as a subprocess."""
-
-    def __init__(self, volume: str, log_path: str) -> None:
-        self.log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fusefs.cli",
-                "meta",
-                "serve",
-                volume,
-                "--listen",
-                "127.0.0.1:0",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-        )
-        line = b""
-        end = time.monotonic() + 60
-        while not line.endswith(b"\n") and time.monotonic() < end:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if r:
-                got = os.read(self.proc.stdout.fileno(), 4096)
-                if not got:
-                    break
-                line += got
-        text = line.decode(errors="replace")
-        if "serving" not in text:
-            self.stop()
-            raise HarnessError(f"ckptfs meta serve did not start: {text.strip()} (log {log_path})")
-        self.port = int(text.split(" on ")[1].split()[0].rsplit(":", 1)[1])
-        self.url = f"ckptfs://127.0.0.1:{self.port}?token_file={os.path.join(volume, 'meta.token')}"
-
-    def stop(self) -> None:
-        _terminate(self.proc)
-        if self.proc.stdout:
-            self.proc.stdout.close()
-        self.log.close()

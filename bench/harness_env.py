@@ -1,45 +1,93 @@
-"""Where the harness runs: an embedded throwaway volume, or an existing volume / service.
+"""Where the harness runs, and the switches its faults pull.
 
 --embedded: a temporary directory with a volume (local directory nodes, or one SeaweedFS
-server per node when --nodes s3), its `ckptfs meta serve` on 127.0.0.1, per-host staging
-directories. Everything is removed at stop(). Attaching: VOLUME is a volume directory (a
-`meta serve` is started on it, so the group commit is what gets measured) or a running
-service's ckptfs:// URL; only staging directories are temporary then.
+server per node with --nodes s3; SQLite metadata, or a throwaway PostgreSQL with --db
+postgres), `ckptfs meta serve` replicas, per-host staging directories. Attaching: VOLUME is
+a volume directory (a `meta serve` is started on it, so the group commit is what gets
+measured) or a running service's ckptfs:// URL; only staging directories are temporary then.
+
+Topologies: `loopback` puts every server on 127.0.0.1; `netns` gives every host, replica,
+the database and every S3 node a network namespace of its own on one bridge (bench.netns),
+the coordinator included, so links can be shaped and cut. Either way everything started
+here is stopped and removed by stop(), which is safe after any failure and runs with the
+interrupt signals held off.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
+import signal
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 
-from bench.harness import HarnessConfig, HarnessError, MetaServe
+from bench import netns
+from bench.harness_config import HarnessConfig, HarnessError
+from bench.servers import ServerError
+from bench.servers.metaserve import MetaServer
+from bench.servers.postgres import PgCluster
+from bench.servers.seaweed import WeedServer
+
+META_PORT = 7410  # a replica alone in its namespace
+PG_PORT = 5432
+NODE_STOP_GRACE = 2.0  # a rolling restart's SIGTERM grace before SIGKILL (weed's own is 15 s)
 
 
-def weed_path() -> str | None:
-    local = os.path.join(sys.prefix, "bin", "weed")
-    if os.access(local, os.X_OK):
-        return local
-    return shutil.which("weed")
+class Closing(HarnessError):
+    """The environment is being torn down: a fault must not start anything again."""
+
+
+def client_takes_replica_list() -> bool:
+    """Does metadata.client accept `ckptfs://HOST1:PORT,HOST2:PORT?...`? (The failover
+    client adds it; until then each host is given one replica's address.)"""
+    from metadata.client import parse_url
+
+    try:
+        parse_url("ckptfs://198.18.1.1:7410,198.18.1.2:7410?token_file=/nonexistent")
+    except Exception:
+        return False
+    return True
+
+
+def service_url(addresses: list[str], token_file: str) -> str:
+    """The one place a service URL is made: several replicas are one comma-separated list."""
+    return f"ckptfs://{','.join(addresses)}?token_file={token_file}"
 
 
 class Env:
     def __init__(self, cfg: HarnessConfig, chunk: int) -> None:
+        cfg.resolve()
         self.cfg = cfg
         self.chunk = chunk
         self.root = tempfile.mkdtemp(prefix="ckptfs-bench-", dir=cfg.workdir)
         self.staging_root = os.path.join(self.root, "staging")
         self.fault_dir = os.path.join(self.root, "faults")
-        self.url = ""
-        self.server: MetaServe | None = None
-        self.weeds: list = []
+        self.log_dir = os.path.join(self.root, "logs")
+        self.url = ""  # the coordinator's
+        self.host_urls: dict[int, str] = {}
+        self.servers: list[MetaServer] = []
+        self.pg: PgCluster | None = None
+        self.db_url: str | None = None
+        self.weeds: list[WeedServer] = []
         self.node_dirs: list[str] = []
         self.killed: str | None = None
+        self.fabric: netns.Fabric | None = None
+        self._ctl_old: int | None = None
+        self.host_ns: dict[int, str] = {}  # host index -> its namespace's path (netns)
+        self.worker_pids: dict[int, int] = {}  # host index -> worker pid (loopback partition)
+        self.stopped_pids: set[int] = set()
+        self.notes: list[str] = []
+        self.problems: list[str] = []  # teardown trouble, reported by the caller
+        self.replica_lists = False
+        self.closing = False
+        self._lock = threading.RLock()
         os.makedirs(self.staging_root)
         os.makedirs(self.fault_dir)
+        os.makedirs(self.log_dir)
 
+    # -- start ---------------------------------------------------------------------------
     def _check_space(self, path: str) -> None:
         c = self.cfg
         need = c.steps * c.ranks * c.shard_size * (2 + c.replicas)
@@ -51,9 +99,14 @@ class Env:
                 f"{free / 2**30:.1f} GiB free: fewer ranks, steps or a smaller --shard-size"
             )
 
-    def start(self, say: Callable[[str], None]) -> None:
+    def member(self, name: str) -> netns.Member | None:
+        return self.fabric.members.get(name) if self.fabric else None
+
+    def start(self, say: Callable[[str], None], n_hosts: int) -> None:
         c = self.cfg
         self._check_space(self.root)
+        if c.topology == "netns":
+            self._start_fabric(say, n_hosts)
         if c.volume is not None and c.volume.startswith("ckptfs://"):
             self.url = c.volume
             return
@@ -69,30 +122,89 @@ class Env:
             from fusefs.client.volume import Volume, VolumeSettings
 
             vol_dir = os.path.join(self.root, "vol")
+            if c.db == "postgres":
+                self._start_pg(say)
             if c.nodes == "s3":
                 urls = self._start_weeds(say)
             else:
-                urls = [f"dir:nodes/n{i}" for i in range(c.node_count)]
+                urls = [f"dir:nodes/n{i}" for i in range(c.node_count or 4)]
             settings = VolumeSettings(chunk_size=self.chunk, replicas=c.replicas)
             try:
-                Volume.create(vol_dir, nodes=urls, settings=settings).close()
+                Volume.create(vol_dir, nodes=urls, settings=settings, db=self.db_url).close()
             except Exception as e:
                 raise HarnessError(f"cannot create the benchmark volume: {e}") from e
             if c.nodes == "dir":
                 self.node_dirs = [
-                    os.path.join(vol_dir, "nodes", f"n{i}") for i in range(c.node_count)
+                    os.path.join(vol_dir, "nodes", f"n{i}") for i in range(c.node_count or 4)
                 ]
-        self.server = MetaServe(vol_dir, os.path.join(self.root, "meta.log"))
-        self.url = self.server.url
+        self._start_meta(vol_dir, say, n_hosts)
+
+    def _start_fabric(self, say: Callable[[str], None], n_hosts: int) -> None:
+        c = self.cfg
+        netns.sweep_stale(say)
+        f = self.fabric = netns.Fabric()
+        say(f"building the fleet: network namespaces {f.run}-* on 198.18.0.0/16 ...")
+        try:
+            f.create()
+            ctl = f.add("ctl", netns.CTL_ADDR)
+            for i in range(c.meta_replicas):
+                f.add(f"m{i}", netns.replica_addr(i))
+            if c.db == "postgres":
+                f.add("db", netns.DB_ADDR)
+            for i in range(c.node_count or 0):
+                f.add(f"s{i}", netns.node_addr(i))
+            for h in range(n_hosts):
+                self.host_ns[h] = f.add(f"h{h}", netns.host_addr(h)).path
+            for m in f.members.values():
+                netns.check_isolated(m)
+            if c.link:
+                rate, delay = netns.parse_link(c.link)
+                for h in range(n_hosts):
+                    note = f.shape(f.members[f"h{h}"], rate, delay)
+                    if note and note not in self.notes:
+                        self.notes.append(note)
+                        say(note)
+            # multiprocessing's resource tracker is a process of this one, started on first
+            # use: start it here, or it would be born in the coordinator's namespace and
+            # killed with it at teardown (a tracker that later processes of this one need)
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
+            self._ctl_old = netns.enter(ctl.path)
+        except netns.NetnsError as e:
+            raise HarnessError(str(e)) from None
+
+    def _start_pg(self, say: Callable[[str], None]) -> None:
+        m = self.member("db")
+        where = m.addr if m else "127.0.0.1"
+        say(f"starting PostgreSQL on {where} ...")
+        try:
+            self.pg = PgCluster(
+                fsync=True,
+                host=where,
+                port=PG_PORT if m else None,
+                prefix=m.prefix if m else (),
+                tag=self.fabric.run if self.fabric else f"bench{os.getpid()}",
+            )
+            self.db_url = self.pg.create_db()
+        except Exception as e:
+            raise HarnessError(f"PostgreSQL did not start: {e}") from None
 
     def _start_weeds(self, say: Callable[[str], None]) -> list[str]:
-        from tests.fixtures.seaweed import WeedServer
-
-        say(f"starting {self.cfg.node_count} SeaweedFS servers on 127.0.0.1 ...")
-        for i in range(self.cfg.node_count):
+        n = self.cfg.node_count or 0
+        where = "their namespaces" if self.fabric else "127.0.0.1"
+        say(f"starting {n} SeaweedFS servers on {where} ...")
+        for i in range(n):
             d = os.path.join(self.root, f"weed{i}")
             os.makedirs(d)
-            self.weeds.append(WeedServer(d, os.path.join(self.root, f"weed{i}.log")))
+            log = os.path.join(self.root, f"weed{i}.log")
+            m = self.member(f"s{i}")
+            if m is None:
+                self.weeds.append(WeedServer(d, log))
+            else:
+                # ports of their own even in a namespace of its own: the filer's gRPC also
+                # listens on /tmp/seaweedfs-filer-grpc-PORT.sock, which namespaces share
+                self.weeds.append(WeedServer(d, log, ip=m.addr, prefix=m.prefix))
         try:
             for w in self.weeds:
                 w.start()
@@ -102,29 +214,204 @@ class Env:
             raise HarnessError(f"SeaweedFS did not start: {e}") from e
         return [f"s3://bench-n{i}/ck?endpoint={w.endpoint}" for i, w in enumerate(self.weeds)]
 
+    def _start_meta(self, vol_dir: str, say: Callable[[str], None], n_hosts: int) -> None:
+        c = self.cfg
+        n = c.meta_replicas
+        for i in range(n):  # one at a time: the first creates the token file
+            m = self.member(f"m{i}")
+            log = os.path.join(self.root, f"meta{i}.log")
+            try:
+                s = MetaServer(
+                    vol_dir,
+                    db=self.db_url,
+                    host=m.addr if m else "127.0.0.1",
+                    port=META_PORT if m else 0,
+                    prefix=m.prefix if m else (),
+                    log_path=log,
+                    start=False,
+                )
+                self.servers.append(s)
+                s.start()
+            except ServerError as e:
+                raise HarnessError(f"ckptfs meta serve did not start: {e} (log {log})") from None
+        addrs = [s.address for s in self.servers]
+        token = self.servers[0].token_file
+        self.replica_lists = n > 1 and client_takes_replica_list()
+        if n > 1:
+            how = (
+                "each host lists every replica"
+                if self.replica_lists
+                else ("this client takes one address: host i uses replica i mod N")
+            )
+            say(f"{n} service replicas ({how})")
+        self.url = service_url(addrs if self.replica_lists else addrs[:1], token)
+        for h in range(n_hosts):
+            k = h % n
+            mine = addrs[k:] + addrs[:k]  # a host starts at its own replica
+            self.host_urls[h] = service_url(mine if self.replica_lists else mine[:1], token)
+
+    # -- what the report says about it ------------------------------------------------------
+    def topology(self) -> dict:
+        c = self.cfg
+        out: dict = {
+            "kind": c.topology,
+            "meta_replicas": [s.address for s in self.servers],
+            "replica_lists": self.replica_lists,
+            "db": c.db if c.volume is None else None,
+            "db_address": f"{self.pg.host}:{self.pg.port}" if self.pg else None,
+            "nodes": [w.endpoint for w in self.weeds]
+            or [f"dir:n{i}" for i in range(len(self.node_dirs))],
+        }
+        if self.fabric:
+            f = self.fabric
+            out["namespaces"] = f"{f.run}-*"
+            out["segment"] = f"198.18.0.0/{netns.SEGMENT}"
+            out["coordinator"] = netns.CTL_ADDR
+            out["hosts"] = {f"host-{h:03d}": netns.host_addr(h) for h in self.host_ns}
+            if c.link:
+                rate, delay = netns.parse_link(c.link)
+                out["link"] = {
+                    "rate_bits": rate,
+                    "delay_ms": delay,
+                    "delay_applied": bool(delay) and f.delay_applied is True,
+                }
+        out["notes"] = list(self.notes)
+        return out
+
+    def log_summary(self) -> dict:
+        """What the hosts logged (warnings and errors): per log, the count and the last line,
+        kept for the report because the logs go with the run's directory."""
+        out = {}
+        try:
+            names = sorted(os.listdir(self.log_dir))
+        except OSError:
+            return out
+        for name in names:
+            try:
+                with open(os.path.join(self.log_dir, name), errors="replace") as f:
+                    lines = [ln.rstrip() for ln in f if ln[:1].isdigit()]
+            except OSError:
+                continue
+            if lines:
+                out[name] = {"entries": len(lines), "last": lines[-1][:300]}
+        return out
+
+    # -- faults ---------------------------------------------------------------------------
+    def _guard(self) -> None:
+        if self.closing:
+            raise Closing("the run is being torn down")
+
     def kill_node(self) -> None:
         """Node n0 dies: its SeaweedFS server is SIGKILLed, or its directory becomes a file."""
-        if self.weeds:
-            self.weeds[0].kill()
-        elif self.node_dirs:
-            d = self.node_dirs[0]
-            os.rename(d, d + ".dead")
-            with open(d, "w") as f:  # every path under the node now fails with ENOTDIR
-                f.write("this node was killed by ckptfs bench --kill-node\n")
-        self.killed = "n0"
+        with self._lock:
+            if self.weeds:
+                self.weeds[0].kill()
+            elif self.node_dirs:
+                d = self.node_dirs[0]
+                os.rename(d, d + ".dead")
+                with open(d, "w") as f:  # every path under the node now fails with ENOTDIR
+                    f.write("this node was killed by ckptfs bench --kill-node\n")
+            self.killed = "n0"
 
     def slow_node(self) -> None:
         with open(os.path.join(self.fault_dir, "slow-n0"), "w") as f:
             f.write(f"{self.cfg.slow_node_delay}\n")
 
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-        for w in self.weeds:
+    def kill_meta(self, i: int) -> None:
+        """SIGKILL service replica i: no cleanup, the crash a service must survive."""
+        with self._lock:
+            self._guard()
+            self.servers[i].kill()
+
+    def start_meta(self, i: int) -> None:
+        """Replica i serves again, on the same address."""
+        with self._lock:
+            self._guard()
             try:
-                w.kill()
-            except Exception:  # noqa: S110 - best effort; the directory goes next
-                pass
+                self.servers[i].restart()
+            except ServerError as e:
+                raise HarnessError(f"replica {i} did not come back: {e}") from None
+
+    def cut_host(self, h: int) -> None:
+        """Partition host h: its link down (netns); on loopback, where there is no link to
+        cut, its worker process is stopped (SIGSTOP), which is what the rest of the fleet
+        sees of a partitioned host."""
+        with self._lock:
+            self._guard()
+            if self.fabric:
+                self.fabric.cut(self.fabric.members[f"h{h}"])
+            else:
+                pid = self.worker_pids[h]
+                os.kill(pid, signal.SIGSTOP)
+                self.stopped_pids.add(pid)
+
+    def heal_host(self, h: int) -> None:
+        with self._lock:  # no _guard: healing is always allowed
+            if self.fabric:
+                self.fabric.heal(self.fabric.members[f"h{h}"])
+            else:
+                pid = self.worker_pids[h]
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                self.stopped_pids.discard(pid)
+
+    def restart_node(self, i: int) -> float:
+        """Maintenance of S3 node i: a clean stop (SIGKILL after a short grace), start,
+        until it takes writes. Returns when it went down (time.time())."""
+        w = self.weeds[i]
+        with self._lock:
+            self._guard()
+            down = time.time()
+            w.stop(timeout=NODE_STOP_GRACE)
+            w.start()
+        try:
+            w.wait_ready()
+        except ServerError as e:
+            raise HarnessError(f"node n{i} did not come back: {e}") from None
+        return down
+
+    def stop_db(self) -> None:
+        assert self.pg is not None
+        with self._lock:
+            self._guard()
+            self.pg.stop_server("fast")
+
+    def start_db(self) -> None:
+        assert self.pg is not None
+        with self._lock:
+            self._guard()
+            self.pg.start()
+
+    # -- stop -----------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop and remove everything started; never raises (trouble goes to `problems`)."""
+        with self._lock:
+            self.closing = True
+
+        def step(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception as e:
+                self.problems.append(f"{what}: {e}")
+
+        for pid in list(self.stopped_pids):
+            step("resume a stopped worker", lambda pid=pid: os.kill(pid, signal.SIGCONT))
+        for s in self.servers:
+            step("stop a service replica", s.stop)
+        self.servers = []
+        if self.pg is not None:
+            step("stop PostgreSQL", self.pg.stop)
+            self.pg = None
+        for w in self.weeds:
+            step("stop a SeaweedFS server", w.kill)
         self.weeds = []
+        if self._ctl_old is not None:
+            step("leave the coordinator's namespace", lambda: netns.leave(self._ctl_old))
+            self._ctl_old = None
+        if self.fabric is not None:
+            left = self.fabric.destroy()
+            if left:
+                self.problems.append(f"namespaces not deleted: {', '.join(left)}")
         shutil.rmtree(self.root, ignore_errors=True)

@@ -77,17 +77,36 @@ def step_summary(rec, cfg) -> dict:
         "load_done_at": [_r(r["done"] - rec.load_start, 4) for r in loaded],
         "t_save": rec.start,
         "t_load": rec.load_start,
+        "may_abort": rec.may_abort,
+        "commit_latency_s": [_r(r["done"] - r["sent"], 4) for r in saved if "sent" in r],
     }
 
 
-def judge(steps: list[dict], ranks: int, flush: dict | None, latest, durable) -> dict:
-    """Pass only if every step published with every byte verified, or was aborted where a
-    fault was injected with the previous published step still latest and verified."""
+ABORTING_FAULTS = ("kill-rank", "kill-node")  # may abort a step whatever its deadline
+
+
+def judge(
+    steps: list[dict],
+    ranks: int,
+    flush: dict | None,
+    latest,
+    durable,
+    final: dict | None = None,
+    faults: list[dict] | None = None,
+    errors: list[str] | None = None,
+) -> dict:
+    """Pass only if every step published with every byte verified, or was aborted where an
+    injected fault made publishing impossible (a killed rank or node, or an outage longer
+    than the step's deadline) with the previous published step still latest and verified;
+    every staged chunk drained; no acknowledged write lost (the final check); every
+    injected fault undone; no metadata call of the run failed."""
     lines, ok = [], True
     last_published = None
     for s in steps:
         n = s["step"]
-        injected = any(f.startswith("kill-") for f in s["faults"])
+        injected = s.get("may_abort")
+        if injected is None:
+            injected = any(f.startswith(ABORTING_FAULTS) for f in s["faults"])
         if s["state"] == "published":
             if any(f.startswith("kill-rank") for f in s["faults"]):
                 ok = False
@@ -123,7 +142,8 @@ def judge(steps: list[dict], ranks: int, flush: dict | None, latest, durable) ->
                 )
         else:
             ok = False
-            lines.append(f"step {n}: FAIL left {s['state']}")
+            why = f" ({s['reason']})" if s.get("reason") else ""
+            lines.append(f"step {n}: FAIL left {s['state']}{why}")
     if flush is not None:
         if flush["ok"] and durable == latest:
             lines.append(
@@ -135,12 +155,75 @@ def judge(steps: list[dict], ranks: int, flush: dict | None, latest, durable) ->
             lines.append(
                 f"drain: FAIL latest {latest}, latest_durable {durable}, errors {flush['errors']}"
             )
+    if final is not None:
+        checked = ", ".join(f"step {c['step']} {c['verified']}/{ranks}" for c in final["steps"])
+        if final["ok"]:
+            if final["steps"]:
+                lines.append(f"no acknowledged write lost: read back at the end: {checked}")
+        elif final.get("error"):
+            ok = False
+            lines.append(f"FAIL acknowledged writes could not be checked: {final['error']}")
+        else:
+            ok = False
+            gone = final.get("not_published_any_more") or []
+            why = f"steps {gone} no longer published; " if gone else ""
+            lines.append(f"FAIL acknowledged writes lost: {why}read back at the end: {checked}")
+    for f in faults or []:
+        if not f["recovered"]:
+            ok = False
+            lines.append(
+                f"FAIL fault {f['what']} {f['target']} (step {f['step']}) did not recover: "
+                f"{f['error'] or 'no recovery seen'}"
+            )
+    if faults and all(f["recovered"] for f in faults):
+        worst = max(f["recovered_s"] or 0 for f in faults)
+        lines.append(f"faults: {len(faults)} injected, all undone; slowest recovery {worst:.1f}s")
+    for e in (errors or [])[:5]:
+        ok = False
+        lines.append(f"FAIL {e}")
     return {"ok": ok, "verdict": "PASS" if ok else "FAIL", "lines": lines}
 
 
-def build_report(cfg, job, chunk, steps, baseline, flush, latest, durable, stats, killed, t_run):
+def latency_split(summaries: list[dict]) -> dict:
+    """Publish latency (step start -> visible) and per-rank commit latency (sent ->
+    acknowledged), p50/p99, for steps with injected faults and for steps without."""
+    out = {}
+    for name, want in (("without_faults", False), ("with_faults", True)):
+        group = [s for s in summaries if bool(s["faults"]) == want]
+        pub = [s["save_s"] for s in group if s["state"] == "published" and s["save_s"]]
+        com = [x for s in group for x in s.get("commit_latency_s", []) if x is not None]
+        out[name] = {
+            "steps": [s["step"] for s in group],
+            "publish_p50_s": _r(_pct(pub, 0.5)),
+            "publish_p99_s": _r(_pct(pub, 0.99)),
+            "commit_p50_s": _r(_pct(com, 0.5)),
+            "commit_p99_s": _r(_pct(com, 0.99)),
+        }
+    return out
+
+
+def build_report(
+    cfg,
+    job,
+    chunk,
+    steps,
+    baseline,
+    flush,
+    latest,
+    durable,
+    stats,
+    killed,
+    t_run,
+    *,
+    topology: dict | None = None,
+    faults: list[dict] | None = None,
+    counters: dict | None = None,
+    final: dict | None = None,
+    errors: list[str] | None = None,
+    worker_logs: dict | None = None,
+):
     summaries = [step_summary(r, cfg) for r in steps]
-    verdict = judge(summaries, cfg.ranks, flush, latest, durable)
+    verdict = judge(summaries, cfg.ranks, flush, latest, durable, final, faults, errors)
     conf = asdict(cfg)
     conf["chunk_size"] = chunk
     published = [s for s in summaries if s["state"] == "published" and s["save_gbps"]]
@@ -159,6 +242,14 @@ def build_report(cfg, job, chunk, steps, baseline, flush, latest, durable, stats
         "latest_durable": durable,
         "killed_node": killed,
         "volume_stats": stats,
+        "topology": topology or {"kind": cfg.topology},
+        "faults": faults or [],
+        "failovers": (counters or {}).get("failovers", 0),
+        "reconnects": (counters or {}).get("reconnects", 0),
+        "publish_latency": latency_split(summaries),
+        "final_check": final,
+        "errors": errors or [],
+        "worker_logs": worker_logs or {},
         "verdict": verdict,
     }
 
@@ -193,6 +284,29 @@ def format_table(rep: dict) -> str:
             out.append(f"step {s['step']} faults: {'; '.join(s['faults'])}")
         if s["rank_errors"] and not s["killed_ranks"]:
             out.append(f"step {s['step']} rank errors: {'; '.join(s['rank_errors'][:3])}")
+    for f in rep.get("faults", []):
+        rec = "-" if f["recovered_s"] is None else f"{f['recovered_s']:.1f}s"
+        down = "-" if f["down_s"] is None else f"{f['down_s']:.1f}s"
+        out.append(
+            f"fault {f['what']} {f['target']} step {f['step']} at {f['at_s']:.1f}s: "
+            f"down {down}, recovered in {rec}{'  ' + f['error'] if f['error'] else ''}"
+        )
+    topo = rep.get("topology") or {}
+    if topo:
+        lat = rep.get("publish_latency", {})
+        parts = []
+        for k in ("without_faults", "with_faults"):
+            g = lat.get(k) or {}
+            if g.get("publish_p50_s") is not None:
+                parts.append(
+                    f"{k.replace('_', ' ')}: p50 {g['publish_p50_s']:.2f}s p99 "
+                    f"{g['publish_p99_s']:.2f}s"
+                )
+        out.append(
+            f"topology {topo.get('kind')}, {len(topo.get('meta_replicas', []))} service "
+            f"replicas, failovers {rep.get('failovers', 0)}, reconnects "
+            f"{rep.get('reconnects', 0)}; publish latency {'; '.join(parts) or '-'}"
+        )
     b = rep["baseline_disk"]
     out.append(
         f"baseline: plain write+fsync of {format_size(b['bytes'])} at {b['gbps']:.3f} GB/s; "

@@ -9,11 +9,13 @@ without holding a thread, so thousands of commits can be in flight for the servi
 group-commit.
 
 The coordinator drives the worker over a multiprocessing Pipe: ("save", step, start_at),
-("load", step, start_at), ("flush", timeout), ("stop",). Every phase is bounded in time.
+("load", step, start_at), ("flush", timeout), ("counters",), ("stop",). Every phase is
+bounded in time. On --topology netns the process is one host and lives in its namespace.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import traceback
@@ -121,7 +123,7 @@ async def wait_future(fut: Future) -> Any:
 def open_host(cfg: dict, index: int, ranks: list[int]) -> Host:
     from metadata.client import connect
 
-    meta = connect(cfg["url"])
+    meta = connect(cfg.get("urls", {}).get(index) or cfg["url"])
     config = meta.get_config()
     nodes: list[ObjectNode] = [
         FaultNode(
@@ -302,10 +304,34 @@ def flush_all(st: WorkerState, timeout: float) -> list[dict]:
     return out
 
 
-def worker_main(conn, cfg: dict, hosts: list[tuple[int, list[int]]]) -> None:
-    """Process entry point (spawned): open the hosts, then obey the coordinator."""
+def counters(st: WorkerState) -> dict:
+    """Client failovers (to another service replica) and reconnects, over this process's
+    hosts. `failovers` is what the failover client counts; 0 from a client without it."""
+    out = {"failovers": 0, "reconnects": 0}
+    for h in st.hosts:
+        for k in out:
+            out[k] += int(getattr(h.vol.meta, k, 0) or 0)
+    return out
+
+
+def worker_main(
+    conn, cfg: dict, hosts: list[tuple[int, list[int]]], netns: str | None = None
+) -> None:
+    """Process entry point (spawned): enter the host's network namespace (--topology
+    netns), open the hosts, then obey the coordinator."""
     opened: list[Host] = []
+    if cfg.get("log_dir"):  # warnings (a node down, a retry) go to a file, not the terminal
+        name = "-".join(f"host-{i:03d}" for i, _ in hosts[:4])
+        logging.basicConfig(
+            filename=os.path.join(cfg["log_dir"], f"{name}.log"),
+            level=logging.WARNING,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
     try:
+        if netns:
+            from bench.netns import enter
+
+            os.close(enter(netns))  # for good: this process is the host
         for index, ranks in hosts:
             opened.append(open_host(cfg, index, ranks))
         maker = ShardMaker(cfg["kind"], cfg["seed"], cfg["shard_size"], cfg["block_size"])
@@ -327,6 +353,8 @@ def worker_main(conn, cfg: dict, hosts: list[tuple[int, list[int]]]) -> None:
                 conn.send(("result", trio.run(run_phase, st, conn, "load", step, start)))
             elif msg[0] == "flush":
                 conn.send(("result", flush_all(st, msg[1])))
+            elif msg[0] == "counters":
+                conn.send(("result", counters(st)))
             else:
                 break
     except (EOFError, KeyboardInterrupt):

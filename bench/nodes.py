@@ -25,9 +25,9 @@ from botocore.config import Config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.servers.seaweed import SeaweedCluster, WeedServer  # noqa: E402
 from fusefs.client.volume import FileReader, Volume, VolumeSettings  # noqa: E402
 from fusefs.maint.scrub import scrub  # noqa: E402
-from tests.fixtures.seaweed import SeaweedCluster, WeedServer  # noqa: E402
 
 BLOCK = 4 * 2**20
 THREADS = 8

@@ -28,9 +28,9 @@ import tempfile
 import time
 
 from bench.common import MiB, UniqueBlocks, disk_write, mbps, peak_rss_mib
+from bench.throttle import throttle_volume
 from fusefs.cli.units import parse_size
 from fusefs.client.volume import Volume, VolumeSettings
-from tests.fixtures.throttle import throttle_volume
 
 
 def _save(vol: Volume, path: str, total: int, seed: int) -> float:
@@ -53,7 +53,7 @@ def _disk(base: str, total: int, seed: int) -> float:
 MOUNT_WRAPPER = r"""
 import sys
 import fusefs.cli.mount as cm
-from tests.fixtures.throttle import throttle_volume
+from bench.throttle import throttle_volume
 
 rate, orig = float(sys.argv[1]), cm.attach_tier
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
+from bench.servers.metaserve import self_signed
 from tests.fixtures.mount import have
-from tests.fixtures.service import self_signed
 
 MiB = 2**20
 

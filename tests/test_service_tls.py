@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import subprocess
 import sys
@@ -11,12 +12,14 @@ import time
 
 import pytest
 
+from bench.servers.metaserve import self_signed
 from fusefs.client.volume import Volume
 from metadata.client import connect
 from metadata.engine import MetaError
 from metadata.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
-from tests.fixtures.service import ROOT, self_signed
 from tests.test_checkpoints import FILES, rank_files
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -110,7 +113,7 @@ def test_tls_service_refuses_wrong_peers_and_keeps_serving(tmp_path, tls_served,
     good.close()
     # a TLS client against a service without TLS
     Volume.create(str(tmp_path / "plain"), nodes=2).close()
-    from tests.fixtures.service import MetaServer
+    from bench.servers.metaserve import MetaServer
 
     plain = MetaServer(str(tmp_path / "plain"))
     try:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import chunkstore.cache
+from bench.throttle import read_counts, throttle_volume
 from chunkstore import codec
 from chunkstore.tier.journal import (
     INLINE_MAX,
@@ -32,7 +33,6 @@ from chunkstore.tier.journal import (
 )
 from fusefs.cli.main import main as cli_main
 from fusefs.client.volume import FileWriter, Volume, VolumeSettings
-from tests.fixtures.throttle import read_counts, throttle_volume
 
 MiB = 2**20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -297,7 +297,7 @@ def test_remote_durability_is_durable_on_return(vol_path, tmp_path):
 WRITER = r"""
 import sys, time, numpy as np
 from fusefs.client.volume import Volume
-from tests.fixtures.throttle import throttle_volume
+from bench.throttle import throttle_volume
 vol = Volume.open(sys.argv[1])
 throttle_volume(vol, float(sys.argv[3]))
 vol.attach_tier(sys.argv[2], size=512 * 2**20)
@@ -462,7 +462,7 @@ def test_housekeeping_reports_a_full_disk_once_and_recovers(vol_path, tmp_path, 
 READER = r"""
 import hashlib, os, sys, time
 from fusefs.client.volume import Volume
-from tests.fixtures.throttle import throttle_volume
+from bench.throttle import throttle_volume
 vol = Volume.open(sys.argv[1])
 throttle_volume(vol, 200e6, count_file=sys.argv[3])
 vol.attach_tier(sys.argv[2], size=256 * 2**20)
@@ -541,8 +541,8 @@ def test_status_and_flush_commands(vol_path, tmp_path, capsys):
 def test_flush_restores_replicas_written_around_a_down_node(vol_path, tmp_path, capsys):
     """Uploads that meet a down node go to the next one (hinted handoff); once the node is
     back, `ckptfs flush` copies them to their placement and fsck finds the volume whole."""
+    from bench.throttle import Bandwidth, ThrottledNode
     from chunkstore.store import ChunkStore
-    from tests.fixtures.throttle import Bandwidth, ThrottledNode
 
     staging = str(tmp_path / "staging")
     vol = Volume.open(vol_path)
