@@ -158,10 +158,10 @@ def run_jobs(
     """`jobs` jobs of `n` ranks, one after another, then all at once (module docstring):
     a warm-up step all at once, then `rounds` rounds of both, alternating which comes
     first; the median round's ratio is reported, every round's beside it."""
+    from bench.servers.metaserve import MetaServer, self_signed
+    from bench.servers.postgres import PgCluster, pg_available
     from fusefs.client.volume import Volume
     from metadata.client import connect
-    from tests.fixtures.postgres import PgCluster, pg_available
-    from tests.fixtures.service import MetaServer, self_signed
 
     head = {"engine": engine, "tls": tls, "ranks": n, "jobs": jobs, "meta_replicas": replicas}
     if engine == "sqlite" and replicas > 1:
