@@ -65,8 +65,15 @@ class DumpError(Exception):
 
 
 # -- writing --------------------------------------------------------------------------
-def write_dump(engine: Any, out: IO[bytes], *, level: int = 3) -> dict:
-    """Stream the engine's metadata into `out` (a binary file-like; only write() is used).
+def write_dump(
+    engine: Any,
+    out: IO[bytes],
+    *,
+    level: int = 3,
+    config_fn: Callable[[dict], dict] | None = None,
+) -> dict:
+    """Stream the engine's metadata into `out` (a binary file-like; only write() is used);
+    `config_fn` rewrites the volume config on the way (node paths made absolute).
 
     Returns the end record's counts. `engine` is a SqlEngine (SQLite or PostgreSQL): the
     network client has no SQL to read, so a service's volume is dumped where its
@@ -94,6 +101,8 @@ def write_dump(engine: Any, out: IO[bytes], *, level: int = 3) -> dict:
             tally = _tally(table, cols, counts)
             for rows in snap.rows(table, cols, BATCH):
                 rows = [[_plain(v) for v in r] for r in rows]
+                if table == "config" and config_fn is not None:
+                    rows = [_config_row(r, cols, config_fn) for r in rows]
                 if tally is not None:
                     tally(rows)
                 put(["R", rows])

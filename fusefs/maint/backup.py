@@ -37,13 +37,20 @@ import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import IO, Any
 
 import xxhash
 
 from chunkstore import codec
-from chunkstore.nodes import NodeError, NodeInfo, ObjectMissing, ObjectNode, open_node
-from chunkstore.nodes import parse_node_url
+from chunkstore.nodes import (
+    NodeError,
+    NodeInfo,
+    ObjectMissing,
+    ObjectNode,
+    open_node,
+    parse_node_url,
+)
 from chunkstore.store import ChunkStore
 from metadata.dump import DumpError, iter_table, load_dump, read_records, write_dump
 from metadata.engine import INLINE
@@ -123,7 +130,7 @@ def create_backup(vol: Any, *, keep: int | None = None, piece_size: int = PIECE_
     number = max(int(time.time()), *(m["id"] + 1 for m in existing), 1)
     t0 = time.monotonic()
     w = _PieceWriter(vol.store, number, piece_size)
-    counts = write_dump(vol.meta, w)
+    counts = write_dump(vol.meta, w, config_fn=partial(absolute_nodes, base=vol.base_dir))
     w.finish()
     cfg = vol.config
     manifest = {
@@ -166,6 +173,24 @@ def drop_backup(nodes: Sequence[ObjectNode], manifest: dict) -> None:
                 pass
             except NodeError as e:
                 log.warning("dropping backup %d on %s: %s", number, node.name, e)
+
+
+def absolute_nodes(cfg: dict, base: str | None) -> dict:
+    """The config with relative dir: node paths (resolved against the volume directory)
+    made absolute: a dump outlives that directory, or loads into another one."""
+    if not base:
+        return cfg
+    out = dict(cfg)
+    nodes = []
+    for n in cfg.get("nodes", []):
+        url = n["url"]
+        if url.startswith("dir:"):
+            p, sep, q = url[4:].partition("?")
+            if not os.path.isabs(p):
+                url = "dir:" + os.path.normpath(os.path.join(base, p)) + sep + q
+        nodes.append({**n, "url": url})
+    out["nodes"] = nodes
+    return out
 
 
 # -- finding and reading --------------------------------------------------------------
@@ -342,7 +367,8 @@ def choose(backups: list[dict], wanted: int | None) -> dict:
     for m in backups:
         if m["id"] == wanted:
             return m
-    raise BackupError(f"no backup {wanted} on these nodes (have {', '.join(str(m['id']) for m in backups)})")
+    have = ", ".join(str(m["id"]) for m in backups)
+    raise BackupError(f"no backup {wanted} on these nodes (have {have})")
 
 
 def restore(

@@ -37,8 +37,8 @@ from chunkstore import codec
 from chunkstore.ids import chunk_id
 from chunkstore.nodes import NodeError, ObjectNode
 from fusefs.cli.progress import Progress
-from fusefs.maint.backup import backup_named, is_backup_id
 from fusefs.client.volume import Volume
+from fusefs.maint.backup import backup_named, is_backup_id
 from metadata.engine import DURABLE, INLINE, STAGED, NewChunk
 
 DEFAULT_GRACE = 3600.0  # seconds an unreferenced chunk or row-less object is left alone
