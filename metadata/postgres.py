@@ -239,6 +239,38 @@ class PostgresEngine(SqlEngine):
         elif not conn.closed:
             conn.execute("ROLLBACK")
 
+    # -- dump (metadata/dumpsql.py) --------------------------------------------------
+    def _snapshot_open(self) -> tuple[Any, str]:
+        """A connection of its own in a REPEATABLE READ, read-only transaction: one view
+        of every table, taking no lock a writer waits for."""
+        try:
+            conn = psycopg.connect(self.url)
+        except psycopg.Error as e:
+            raise MetaError(errno.EIO, f"cannot connect to PostgreSQL: {e}".strip()) from None
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        conn.execute("SELECT 1").fetchone()  # the snapshot starts here
+        return conn, "postgresql"
+
+    def _snapshot_has(self, conn: Any, table: str) -> bool:
+        return conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is not None
+
+    def _snapshot_rows(self, conn: Any, sql: str, batch: int) -> Any:
+        """A server-side cursor: rows come over a batch at a time, never all at once."""
+        with conn.cursor(name="ckptfs_dump") as cur:
+            cur.itersize = batch
+            cur.execute(sql)
+            while rows := cur.fetchmany(batch):
+                yield rows
+
+    def _after_load(self, c: Any) -> None:
+        """Identity sequences past the keys the load wrote itself."""
+        for table, col in (("inodes", "ino"), ("dentries", "id"), ("ref_journal", "id")):
+            c.execute(
+                f"SELECT setval(pg_get_serial_sequence('{table}', '{col}'), "
+                f"GREATEST(2, (SELECT COALESCE(MAX({col}), 1) + 1 FROM {table})), false)"
+            ).fetchall()
+
     def close(self) -> None:
         with self._lock:
             self._conn.conn.close()

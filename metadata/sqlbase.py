@@ -21,6 +21,7 @@ from typing import Any
 from metadata.checkpoints import CheckpointMixin
 from metadata.chunkrefs import ChunkRefMixin
 from metadata.ckptquery import CheckpointQueryMixin
+from metadata.dumpsql import DumpSqlMixin
 from metadata.engine import (
     ROOT_INO,
     Attr,
@@ -51,6 +52,7 @@ class SqlEngine(
     CheckpointQueryMixin,
     MaintenanceMixin,
     RequestMixin,
+    DumpSqlMixin,
     MetaEngine,
 ):
     """Subclasses set `self._conn` and implement `_ddl`, `_begin` and `_q`."""

@@ -331,6 +331,24 @@ class SqliteEngine(SqlEngine):
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._service_fd = fd
 
+    # -- dump (metadata/dumpsql.py) --------------------------------------------------
+    def _snapshot_open(self) -> tuple[Any, str]:
+        """A connection of its own in a read transaction: WAL keeps its view while
+        writers go on (they never wait for it; only the WAL's truncation does)."""
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute("BEGIN")
+        conn.execute("SELECT COUNT(*) FROM config").fetchone()  # the snapshot starts here
+        return conn, "sqlite"
+
+    def _snapshot_has(self, conn: Any, table: str) -> bool:
+        q = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+        return conn.execute(q, (table,)).fetchone() is not None
+
+    def _snapshot_rows(self, conn: Any, sql: str, batch: int) -> Any:
+        cur = conn.execute(sql)
+        while rows := cur.fetchmany(batch):
+            yield rows
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()

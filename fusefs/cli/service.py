@@ -219,6 +219,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     m = sub.add_parser("meta", help="the metadata service")
     msub = m.add_subparsers(dest="meta_command", required=True, metavar="ACTION")
+    from fusefs.cli.backup import register_meta
+
+    register_meta(msub)  # backup, backups, restore, dump, load
     s = msub.add_parser("serve", help="serve a volume's metadata over TCP")
     s.add_argument("volume", help="volume directory (object nodes, token file)")
     s.add_argument("--listen", type=listen_arg, default=("127.0.0.1", 7410), metavar="HOST:PORT")
