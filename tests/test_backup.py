@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -188,3 +189,56 @@ def test_load_refuses_a_corrupt_dump_and_leaves_nothing(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "ckptfs: error:" in proc.stderr
     assert not os.path.exists(tmp_path / "new")
+
+
+def test_meta_serve_takes_automatic_backups(tmp_path):
+    """A volume formatted with --backup-interval is backed up by its service with nobody
+    asking, and keeps only --backup-keep of them."""
+    import time
+
+    from bench.servers.metaserve import MetaServer
+
+    nodes = _node_urls(tmp_path)
+    vol_dir = str(tmp_path / "vol")
+    args = [a for u in nodes for a in ("--node", u)]
+    ckptfs("format", vol_dir, *args, "--backup-interval", "1", "--backup-keep", "2")
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(100_000))
+    ckptfs("put", vol_dir, str(src), "/f")
+    srv = MetaServer(vol_dir)
+    try:
+        deadline = time.monotonic() + 60
+        seen: list = []
+        while time.monotonic() < deadline:
+            seen = json.loads(ckptfs("meta", "backups", *args, "--json").stdout)
+            if len(seen) >= 2:
+                break
+            time.sleep(0.5)
+        assert len(seen) >= 2, seen
+        time.sleep(3)  # more ticks: older ones dropped
+        seen = json.loads(ckptfs("meta", "backups", *args, "--json").stdout)
+        assert 1 <= len(seen) <= 2 and all(b["files"] >= 1 for b in seen)
+    finally:
+        srv.stop()
+
+
+def test_an_automatic_backup_that_fails_is_retried_later_and_never_raises(tmp_path):
+    nodes = _node_urls(tmp_path)
+    vol_dir = str(tmp_path / "vol")
+    ckptfs("format", vol_dir, *[a for u in nodes for a in ("--node", u)], "--backup-interval", "60")
+    with Volume.open(vol_dir) as vol:
+        auto = bk.AutoBackup(vol)
+        first = auto.tick()
+        assert first is not None and auto.taken == 1  # none on the nodes: one is due
+        assert auto.tick() is None  # the clock says not yet (no node listing)
+        real = vol.store.put_encoded
+
+        def broken(*a, **kw):
+            raise OSError(28, "No space left on device")
+
+        vol.store.put_encoded = broken
+        assert auto.tick(now=time.time() + 61) is None  # failed: logged, not raised
+        vol.store.put_encoded = real
+        assert auto.tick(now=time.time() + 120) is None  # retried only after AUTO_RETRY_S
+        assert auto.tick(now=time.time() + bk.AUTO_RETRY_S + 1) is not None
+        assert auto.taken == 2

@@ -61,6 +61,8 @@ def cmd_format(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         cdc_min=args.cdc_min,
         cdc_max=args.cdc_max,
+        backup_interval=args.backup_interval,
+        backup_keep=args.backup_keep,
     )
     nodes: int | list[str] = args.node if args.node else args.nodes
     with Volume.create(args.volume, nodes=nodes, settings=settings, db=args.db) as vol:
@@ -184,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--chunking", choices=["fixed", "cdc"], default="fixed")
     f.add_argument("--cdc-min", type=size_arg, default=None)
     f.add_argument("--cdc-max", type=size_arg, default=None)
+    f.add_argument(
+        "--backup-interval",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="seconds between automatic metadata backups onto the nodes, 0 for none",
+    )
+    f.add_argument("--backup-keep", type=int, default=7, metavar="N", help="backups kept")
     f.add_argument("--compression", choices=list(CODECS), default="auto")
     f.add_argument("--db", default=None, help="postgresql://... (default: embedded SQLite)")
     f.set_defaults(func=cmd_format)

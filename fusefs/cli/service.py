@@ -118,8 +118,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine.close()
             raise UserError(f"{e} (--metrics)") from None
 
+    from fusefs.client.volume import Volume
+    from fusefs.maint.backup import run_auto_backups
+
+    # The nodes of the volume, for its automatic metadata backups (fusefs.maint.backup).
+    backups = Volume(engine, engine.get_config(), base_dir=path, workers=1)
+
     async def main() -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_auto_backups, backups)
             bound = await nursery.start(partial(service.serve, host, port, ssl_context=tls))
             mode = ", TLS" if tls else ", no TLS: trusted networks only"
             where = f", metrics {metrics.url}" if metrics else ""
@@ -133,6 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        backups.pool.shutdown(wait=False)  # not backups.close(): the engine is the service's
+        backups.store.close()
         engine.close()
     return 0
 

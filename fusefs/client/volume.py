@@ -66,8 +66,14 @@ class VolumeSettings:
     replicas: int = 2
     cdc_min: int | None = None
     cdc_max: int | None = None
+    backup_interval: float = 3600.0  # automatic metadata backups (fusefs.maint.backup); 0: off
+    backup_keep: int = 7
 
     def validate(self, n_nodes: int) -> None:
+        if not 0 <= self.backup_interval <= 366 * 86400:
+            raise VolumeError("backup interval must be 0 (off) .. 366 days, in seconds")
+        if not 1 <= self.backup_keep <= 10_000:
+            raise VolumeError("backups to keep must be 1..10000")
         if not MIN_CHUNK <= self.chunk_size <= MAX_CHUNK:
             raise VolumeError(
                 f"chunk size {self.chunk_size} out of range: "
@@ -175,6 +181,8 @@ class Volume:
             "replicas": settings.replicas,
             "cdc_min": settings.cdc_min,
             "cdc_max": settings.cdc_max,
+            "backup_interval": settings.backup_interval,
+            "backup_keep": settings.backup_keep,
             "nodes": [{"name": i.name, "url": i.url, "domain": i.domain} for i in infos],
         }
         meta_url = db or "sqlite:meta.db"

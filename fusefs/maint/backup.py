@@ -300,26 +300,58 @@ def backup_settings(meta: Any) -> dict:
     }
 
 
-def backup_due(vol: Any, now: float | None = None) -> bool:
-    """Is an automatic backup due (the newest backup on the nodes is older than the
-    interval)? Listing the nodes costs a walk of every object: callers ask rarely."""
-    interval = backup_settings(vol.meta)["interval"]
-    if interval <= 0:
-        return False
-    now = time.time() if now is None else now
-    newest = max((m["created"] for m in list_backups(vol.store.nodes)), default=0.0)
-    return now - newest >= interval
+AUTO_RETRY_S = 300.0  # after a failed automatic backup, try again this much later
 
 
-def maybe_backup(vol: Any) -> dict | None:
-    """Take a backup if one is due; a failure is logged, never raised (the caller is a
-    mount or a command doing other work)."""
-    try:
-        if backup_due(vol):
-            return create_backup(vol)
-    except Exception as e:  # noqa: BLE001 - a failed backup must not fail the caller
-        log.warning("automatic metadata backup failed: %s", e)
-    return None
+class AutoBackup:
+    """A long-running writer's automatic backups (meta serve; a mount of a volume
+    directory). The nodes are listed once, at the first tick, for the newest backup;
+    after that the clock decides, so a tick costs a config read when none is due. Ticks
+    run in a worker thread; a failure is logged and retried later, never raised."""
+
+    def __init__(self, vol: Any) -> None:
+        self.vol = vol
+        self._newest: float | None = None
+        self.taken = 0
+
+    def tick(self, now: float | None = None) -> dict | None:
+        interval = backup_settings(self.vol.meta)["interval"]
+        if interval <= 0:
+            return None
+        try:
+            if self._newest is None:
+                made = [m["created"] for m in list_backups(self.vol.store.nodes)]
+                self._newest = max(made, default=0.0)
+            now = time.time() if now is None else now
+            if now - self._newest < interval:
+                return None
+            manifest = create_backup(self.vol)
+        except Exception as e:  # noqa: BLE001 - a failed backup must not stop the writer
+            log.warning("automatic metadata backup failed (retried in %.0f s): %s", AUTO_RETRY_S, e)
+            self._newest = time.time() - interval + AUTO_RETRY_S
+            return None
+        self._newest = manifest["created"]
+        self.taken += 1
+        log.info("automatic metadata backup %d: %d bytes", manifest["id"], manifest["size"])
+        return manifest
+
+
+AUTO_CHECK_S = 60.0  # how often a long-running writer asks whether a backup is due
+
+
+async def run_auto_backups(vol: Any) -> None:
+    """Tick an AutoBackup until cancelled (a trio task): every AUTO_CHECK_S seconds, or a
+    quarter of the volume's interval if that is shorter."""
+    import trio
+
+    auto = AutoBackup(vol)
+    while True:
+        interval = await trio.to_thread.run_sync(lambda: backup_settings(vol.meta)["interval"])
+        await trio.sleep(
+            min(AUTO_CHECK_S, max(0.5, interval / 4)) if interval > 0 else AUTO_CHECK_S
+        )
+        # cancellable: a backup in progress never holds up the process's exit
+        await trio.to_thread.run_sync(auto.tick, cancellable=True)
 
 
 # -- restoring ------------------------------------------------------------------------

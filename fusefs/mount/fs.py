@@ -45,6 +45,7 @@ import trio
 from chunkstore.store import ChunkStoreError
 from fusefs.client.extents import clip
 from fusefs.client.volume import Volume
+from fusefs.maint.backup import run_auto_backups
 from fusefs.mount.blocks import FileError, FileState
 from fusefs.mount.filecache import FileCache
 from metadata.engine import NAME_MAX, STAGED, Attr, MetaBusy, MetaError
@@ -144,6 +145,8 @@ class CkptFS(pyfuse3.Operations):
                     n.start_soon(self._probe, on_ready)
                     if self.vol.meta.housekeeping_interval is not None:
                         n.start_soon(self._housekeeping)
+                    if self.vol.base_dir is not None:  # a volume directory: no service
+                        n.start_soon(run_auto_backups, self.vol)  # backs its metadata up
                     await pyfuse3.main(min_tasks=4, max_tasks=64)
                     n.cancel_scope.cancel()
                 await self.cache.shutdown()
