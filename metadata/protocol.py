@@ -27,6 +27,10 @@ from metadata.ckptformat import WireFile
 from metadata.engine import Attr, ChunkRow, DirEntry, Extent, NewChunk, VolumeStats
 
 PROTO_VERSION = 3  # 2: Attr.alloc; 3: NewChunk.data (inline chunks)
+# The service's defaults for authenticated connections (service.py; `meta serve` options),
+# here so the CLI can show them without importing the service and trio.
+IDLE_TIMEOUT = 900.0  # seconds without a request, nothing in flight
+MAX_CONNECTIONS = 65536
 MAX_FRAME = 64 * 2**20
 HEADER = struct.Struct(">I")
 
