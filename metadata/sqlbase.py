@@ -27,6 +27,7 @@ from metadata.engine import (
     MetaEngine,
     MetaError,
 )
+from metadata.leases import LeaseMixin
 from metadata.maintenance import MaintenanceMixin
 from metadata.namespace import ATTR_COLS, NamespaceMixin, attr_of
 from metadata.requests import RequestMixin
@@ -46,6 +47,7 @@ def _now() -> int:
 class SqlEngine(
     NamespaceMixin,
     ChunkRefMixin,
+    LeaseMixin,
     RetentionMixin,
     CheckpointMixin,
     CheckpointQueryMixin,
