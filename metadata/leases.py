@@ -174,3 +174,19 @@ class LeaseMixin:
                 (old, -old),
             )
         return set(doomed)
+
+    @retried
+    def gc_release_objects(self, ids: list[bytes]) -> None:
+        """gc deleted (or gave up on) these condemned objects: their rows become lapsed
+        leases, so a writer asking now is granted one (its put comes after every delete),
+        while a commit on a lease granted during the hold is still refused."""
+        ids = sorted(set(ids))
+        if not ids:
+            return
+        with self._tx() as c:
+            self._lock_named(c, CHUNK_GATE, shared=True)
+            self._ensure_leases(c)
+            c.executemany(
+                self._q("UPDATE chunk_leases SET expires = 0 WHERE id = ? AND expires < 0"),
+                [(bytearray(cid),) for cid in ids],
+            )

@@ -61,6 +61,7 @@ MUTATING_METHODS = frozenset(
         "retain", "set_retention", "apply_retention", "fix_refcounts", "gc_chunk_rows",
         "record_under_replicated", "clear_under_replicated", "drop_chunk_rows",
         "register_chunk_rows", "apply_pending", "renew_chunk_leases", "gc_orphan_objects",
+        "gc_release_objects",
     }
 )  # fmt: skip
 REMOTE_METHODS = READ_METHODS | MUTATING_METHODS

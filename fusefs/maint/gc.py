@@ -77,6 +77,8 @@ def gc(vol: Volume, *, grace: float = DEFAULT_GRACE, progress: bool | None = Non
                         node.delete(cid)
                         rep.objects_deleted += 1
                         rep.bytes_freed += size
+                    if doomed:  # done: a writer asking from now on may store them again
+                        vol.meta.gc_release_objects(sorted(doomed))
             except NodeError as e:
                 rep.errors.append(f"node {node.name}: {e}")
             bar.update(1)
