@@ -120,6 +120,13 @@ class LeaseMixin:
                 f"{len(lost)} new chunk(s), e.g. {lost[0].hex()}, were stored under a lease "
                 "that lapsed or gc condemned (their objects may be gone): write the file again",
             )
+        # Registered by this commit: their rows (or journal entries) keep them from now on,
+        # and the leases end, so once unreferenced they go after the grace period. Lapsed,
+        # not deleted: another writer still holding one is refused if the row goes first.
+        c.executemany(
+            self._q("UPDATE chunk_leases SET expires = 0 WHERE id = ? AND expires > 0"),
+            [(bytearray(cid),) for cid in ids],
+        )
 
     @retried
     def renew_chunk_leases(self, ids: list[bytes]) -> set[bytes]:
