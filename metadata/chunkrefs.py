@@ -55,6 +55,8 @@ class ChunkRefMixin:
     _lock_named: Any
     _skip_locked: str
     _for_update: str
+    _check_leases: Any
+    _grant_leases: Any
 
     def _release_extents(self, c: Any, ino: int) -> None:
         """Drop the references of an inode's extents (the caller rewrites or deletes the inode)."""
@@ -201,6 +203,7 @@ class ChunkRefMixin:
             if not a.is_reg:
                 raise MetaError(errno.EISDIR if a.is_dir else errno.EINVAL, "not a regular file")
             now = _now()
+            self._check_leases(c, new_chunks, now)  # none gc may have deleted (leases.py)
             self._register_chunks(c, new_chunks, now)
             delta = Counter(e.chunk_id for e in extents)
             self._check_known(c, set(delta) - {ch.chunk_id for ch in new_chunks})
@@ -296,7 +299,9 @@ class ChunkRefMixin:
             # gc is not between the look and the touch (a chunk found is one it keeps)
             self._lock_named(c, CHUNK_GATE, shared=True)
             missing = self._missing(c, ids)
-            present = [(_now(), cid) for cid in sorted(ids) if cid not in missing]
+            now = _now()
+            self._grant_leases(c, list(missing), now)  # gc keeps them until commit (leases.py)
+            present = [(now, cid) for cid in sorted(ids) if cid not in missing]
             if present:
                 c.executemany(
                     self._q("UPDATE chunks SET touched = ? WHERE id = ? AND refcount <= 0"), present

@@ -117,10 +117,36 @@ def resolve_token(params: dict[str, list[str]]) -> str:
 
 def _read_token(path: str) -> str:
     try:
-        with open(path) as f:
-            return f.read().strip()
+        return read_token_file(path)
     except OSError as e:
         raise MetaError(errno.EACCES, f"cannot read token file {path}: {e.strerror}") from None
+
+
+def token_file_too_open(path: str, mode: int) -> str | None:
+    """The one-line refusal for a token file group or others may access, else None.
+
+    As ssh with a private key: a token readable by other users on a shared host lets any
+    of them act as the volume's owner, maintenance calls included, and a writable one
+    lets them swap it. Refusing (rather than warning) is what makes the mistake visible
+    the first time, before a copied 0644 file spreads through job scripts."""
+    if mode & 0o077:
+        return (
+            f"token file {path} is accessible by group or others (mode {mode & 0o777:04o}): "
+            f"run chmod 600 {path}"
+        )
+    return None
+
+
+def read_token_file(path: str) -> str:
+    """A token file's token, refused (MetaError EACCES) if group or others may access it.
+
+    The mode is read from the open descriptor (fstat), so a file swapped between the
+    check and the read is not the one checked. OSError passes through to the caller."""
+    with open(path) as f:
+        refusal = token_file_too_open(path, os.fstat(f.fileno()).st_mode)
+        if refusal:
+            raise MetaError(errno.EACCES, refusal)
+        return f.read().strip()
 
 
 _UNREACHABLE = "cannot reach the metadata service at "

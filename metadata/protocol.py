@@ -27,6 +27,10 @@ from metadata.ckptformat import WireFile
 from metadata.engine import Attr, ChunkRow, DirEntry, Extent, NewChunk, VolumeStats
 
 PROTO_VERSION = 3  # 2: Attr.alloc; 3: NewChunk.data (inline chunks)
+# The service's defaults for authenticated connections (service.py; `meta serve` options),
+# here so the CLI can show them without importing the service and trio.
+IDLE_TIMEOUT = 900.0  # seconds without a request, nothing in flight
+MAX_CONNECTIONS = 65536
 MAX_FRAME = 64 * 2**20
 HEADER = struct.Struct(">I")
 
@@ -56,7 +60,8 @@ MUTATING_METHODS = frozenset(
         "mark_durable", "begin", "commit_rank", "abort", "expire", "delete_checkpoint",
         "retain", "set_retention", "apply_retention", "fix_refcounts", "gc_chunk_rows",
         "record_under_replicated", "clear_under_replicated", "drop_chunk_rows",
-        "register_chunk_rows", "apply_pending",
+        "register_chunk_rows", "apply_pending", "renew_chunk_leases", "gc_orphan_objects",
+        "gc_release_objects",
     }
 )  # fmt: skip
 REMOTE_METHODS = READ_METHODS | MUTATING_METHODS

@@ -55,6 +55,8 @@ from metadata.ckptformat import file_fields, pack_files
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
+    IDLE_TIMEOUT,
+    MAX_CONNECTIONS,
     MAX_FRAME,
     PROTO_VERSION,
     READ_METHODS,
@@ -77,6 +79,12 @@ log = logging.getLogger("ckptfs.meta")
 HANDSHAKE_TIMEOUT = 10.0
 HELLO_MAX = 64 * 1024  # a hello is a few hundred bytes: decoded before the token is checked
 MAX_HANDSHAKES = 4096  # connections waiting for their hello; past it the oldest is dropped
+# Authenticated connections. One idle for IDLE_TIMEOUT with nothing in flight is closed
+# (the client reconnects on its next call and resends nothing: it had nothing pending);
+# past MAX_CONNECTIONS the least recently active idle one is closed to make room, and with
+# none idle the newcomer is refused with EBUSY (the client tries the next replica, backing
+# off within its retry window). `meta serve --idle-timeout / --max-connections`; the
+# defaults (IDLE_TIMEOUT, MAX_CONNECTIONS) live in protocol.py.
 MAX_INFLIGHT_PER_CONN = 4096  # requests read and not yet answered
 OUT_MAX = 32 << 20  # answer bytes queued for a connection before its requests wait
 IDEM_KEEP = 200_000
@@ -165,6 +173,8 @@ class _Conn:
         self.inflight = 0
         self.drained = trio.Event()
         self.closed = False
+        self.scope = trio.CancelScope()  # cancelled to close an idle connection
+        self.idle_closed = False
 
     @property
     def full(self) -> bool:
@@ -260,7 +270,13 @@ class MetaService:
         base_dir: str | None = None,
         max_frame: int = MAX_FRAME,
         threads: int = 8,
+        idle_timeout: float = IDLE_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
     ) -> None:
+        if not idle_timeout > 0:
+            raise ValueError(f"idle timeout must be > 0 seconds, got {idle_timeout}")
+        if max_connections < 1:
+            raise ValueError(f"max connections must be >= 1, got {max_connections}")
         engine.claim_service()  # a SQLite volume: refused if another service runs on it
         self.engine = engine
         self._token = token.encode()
@@ -281,7 +297,19 @@ class MetaService:
         self._tls: ssl.SSLContext | None = None  # set by serve()
         self.connections = 0
         self._hello_waits: OrderedDict[object, trio.CancelScope] = OrderedDict()
-        self.stats = {"requests": 0, "inline": 0, "bad_clients": 0, "hello_evictions": 0}
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        # authenticated connections, least recently active first
+        self._authed: OrderedDict[_Conn, None] = OrderedDict()
+        self.stats = {
+            "requests": 0,
+            "inline": 0,
+            "bad_clients": 0,
+            "hello_evictions": 0,
+            "idle_closed": 0,  # idle past idle_timeout
+            "evicted": 0,  # idle, closed to make room under max_connections
+            "refused_full": 0,  # newcomers refused: max_connections, none idle
+        }
         self.counters = ServiceStats()  # replies, latencies, batches, steps (for metrics)
 
     # -- lifecycle -------------------------------------------------------------
@@ -424,27 +452,81 @@ class MetaService:
                 encode_frame({"ok": False, "errno": errno.EACCES, "error": "wrong token"})
             )
             return
-        await stream.send_all(encode_frame({"ok": True, "proto": PROTO_VERSION}))
         conn = _Conn(stream, self.counters)
+        if not self._admit(conn):
+            self.stats["refused_full"] += 1
+            log.warning("refusing %s: %d connections, none idle", peer, len(self._authed))
+            await stream.send_all(
+                encode_frame(
+                    {"ok": False, "errno": errno.EBUSY,
+                     "error": f"the service holds its maximum of {self.max_connections} "
+                     "connections, all busy (meta serve --max-connections)"}
+                )
+            )  # fmt: skip
+            return
+        await stream.send_all(encode_frame({"ok": True, "proto": PROTO_VERSION}))
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(conn.writer)
-                while True:
-                    for body in frames:
-                        while conn.full:
-                            conn.drained = trio.Event()
-                            await conn.drained.wait()
-                        req = parse_commit(body) or parse_request(body)
-                        self._on_request(conn, nursery, req)
-                    data = await stream.receive_some(1 << 20)
-                    if not data:
-                        break
-                    frames = dec.feed(data)
-                # The client is gone. Queued commits still complete in the group commit (a
-                # retry on a new connection finds their outcome); tasks stop here.
-                nursery.cancel_scope.cancel()
+            with conn.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(conn.writer)
+                    while True:
+                        for body in frames:
+                            while conn.full:
+                                conn.drained = trio.Event()
+                                await conn.drained.wait()
+                            req = parse_commit(body) or parse_request(body)
+                            if conn in self._authed:  # not closed meanwhile
+                                self._authed.move_to_end(conn)  # the most recently active
+                            self._on_request(conn, nursery, req)
+                        data = await self._receive_or_idle(conn, stream)
+                        if not data:
+                            break
+                        frames = dec.feed(data)
+                    # The client is gone. Queued commits still complete in the group commit
+                    # (a retry on a new connection finds their outcome); tasks stop here.
+                    nursery.cancel_scope.cancel()
         finally:
             conn.closed = True
+            self._authed.pop(conn, None)
+        if conn.idle_closed:
+            log.debug("closed %s: idle", peer)
+
+    def _admit(self, conn: _Conn) -> bool:
+        """Count an authenticated connection in, under max_connections.
+
+        At the cap the least recently active connection with nothing in flight is closed
+        to make room: an idle client loses nothing (it reconnects on its next call),
+        while refusing newcomers would let clients that went quiet, or a leak of them,
+        lock active ranks out until the idle timeout. With every connection busy the
+        newcomer is refused (EBUSY, which the client retries on the next replica and
+        after a backoff): closing a busy one would only move its requests to a retry."""
+        if len(self._authed) >= self.max_connections:
+            victim = next((c for c in self._authed if c.inflight == 0), None)
+            if victim is None:
+                return False
+            self._close_idle(victim)
+            self.stats["evicted"] += 1
+        self._authed[conn] = None
+        return True
+
+    def _close_idle(self, conn: _Conn) -> None:
+        """Close a connection with nothing in flight: its session leaves its receive loop."""
+        self._authed.pop(conn, None)
+        conn.idle_closed = True
+        conn.scope.cancel()
+
+    async def _receive_or_idle(self, conn: _Conn, stream: trio.abc.Stream) -> bytes:
+        """The next bytes from the client, or b"" once it has sent nothing for idle_timeout
+        with nothing in flight. Without a timeout every client that went quiet (a crashed
+        host behind a NAT, a rank that finished) held a descriptor and a task for good. A
+        connection waiting on a long request (wait_published) is not idle."""
+        while True:
+            with trio.move_on_after(self.idle_timeout):
+                return await stream.receive_some(1 << 20)
+            if conn.inflight == 0 and not conn.out:
+                self.stats["idle_closed"] += 1
+                self._close_idle(conn)
+                return b""
 
     # -- dispatch ------------------------------------------------------------------
     def _on_request(self, conn: _Conn, nursery: trio.Nursery, req: tuple) -> None:

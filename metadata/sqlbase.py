@@ -28,6 +28,7 @@ from metadata.engine import (
     MetaEngine,
     MetaError,
 )
+from metadata.leases import LeaseMixin
 from metadata.maintenance import MaintenanceMixin
 from metadata.namespace import ATTR_COLS, NamespaceMixin, attr_of
 from metadata.requests import RequestMixin
@@ -47,6 +48,7 @@ def _now() -> int:
 class SqlEngine(
     NamespaceMixin,
     ChunkRefMixin,
+    LeaseMixin,
     RetentionMixin,
     CheckpointMixin,
     CheckpointQueryMixin,

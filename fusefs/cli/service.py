@@ -14,9 +14,10 @@ from functools import partial
 from fusefs.cli.text import shown
 from fusefs.cli.units import format_size, parse_listen
 from fusefs.client.volume import VOLUME_FILE, VolumeError
-from metadata.engine import MetaEngine
+from metadata.client import read_token_file
+from metadata.engine import MetaEngine, MetaError
 from metadata.engines import open_engine
-from metadata.protocol import MAX_FRAME
+from metadata.protocol import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_FRAME
 
 TOKEN_FILE = "meta.token"
 
@@ -47,8 +48,10 @@ def ensure_token(path: str) -> str:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        with open(path) as f:
-            token = f.read().strip()
+        try:
+            token = read_token_file(path)  # refused if group or others may access it
+        except MetaError as e:
+            raise VolumeError(str(e)) from None
         if len(token) < 16:
             raise VolumeError(f"token file {path} holds fewer than 16 characters") from None
         return token
@@ -66,6 +69,28 @@ def listen_arg(text: str) -> tuple[str, int]:
         return parse_listen(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type of --idle-timeout: seconds > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    """argparse type of --max-connections: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
 
 
 def _raise_fd_limit() -> None:
@@ -104,7 +129,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _raise_fd_limit()
     host, port = args.listen
     service = MetaService(
-        engine, token, base_dir=path, max_frame=args.max_frame, threads=args.threads
+        engine,
+        token,
+        base_dir=path,
+        max_frame=args.max_frame,
+        threads=args.threads,
+        idle_timeout=args.idle_timeout,
+        max_connections=args.max_connections,
     )
     logging.getLogger("ckptfs.meta").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
     metrics = None
@@ -238,6 +269,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--token-file", default=None, help=f"default VOLUME/{TOKEN_FILE}, created")
     s.add_argument("--max-frame", type=size_arg, default=MAX_FRAME)
     s.add_argument("--threads", type=int, default=8, help="engine worker threads")
+    s.add_argument(
+        "--idle-timeout",
+        type=_positive_seconds,
+        default=IDLE_TIMEOUT,
+        metavar="SECONDS",
+        help=f"close a client connection idle this long (default {IDLE_TIMEOUT:g}; "
+        "clients reconnect on their next call)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help=f"authenticated connections at most (default {MAX_CONNECTIONS}); past it the "
+        "least recently active idle one is closed, or with none idle the new one refused",
+    )
     s.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS: certificate chain")
     s.add_argument("--tls-key", default=None, metavar="PEM", help="its key (default: in the cert)")
     s.add_argument(

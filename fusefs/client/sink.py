@@ -32,7 +32,9 @@ the metrics collector (fusefs.metrics) at scrape time, so writers pay an integer
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -49,11 +51,13 @@ if TYPE_CHECKING:
 HASH_BATCH = 8  # chunks per "which exist?" query of a FileWriter
 INFLIGHT_BYTES = 64 * 2**20  # raw bytes being encoded/stored per stream
 UNSYNCED_MAX = 256 * 2**20  # unacknowledged bytes a volume's writers may hold
+RENEW_EVERY_S = 300.0  # lease renewals of uncommitted chunks (leases last LEASE_TTL_S)
 
 Buffer = bytes | bytearray | memoryview
 Pieces = Sequence[Buffer]  # one chunk as consecutive buffers (not joined: copied once, late)
 Hint = tuple[str | None, int | None]  # (codec name, float element width) for a new chunk
 NO_HINT: Hint = (None, None)
+log = logging.getLogger("ckptfs")
 
 
 def _joined(pieces: Pieces) -> Buffer:
@@ -69,6 +73,9 @@ class ChunkSink:
         self._unsynced: dict[bytes, int] = {}  # stored unsynced: chunk id -> bytes admitted
         self._unsynced_bytes = 0  # their sum
         self._reserved = 0  # bytes admitted for puts still running
+        self._leased: dict[bytes, None] = {}  # ids leased to this volume's writers, in flight
+        self._renewer: threading.Thread | None = None
+        self.renew_every = RENEW_EVERY_S
         # Counters (monotonic; read by fusefs.metrics). Chunks and raw bytes every writer
         # handed in, those already stored (dedup hits: known to the volume or repeated in
         # the same file), new chunks by where they went, and the bytes written for them
@@ -107,7 +114,42 @@ class ChunkSink:
         Asking counts as a foreground write for the host's tier (WriteBehindTier.foreground)."""
         if self.vol.tier is not None:
             self.vol.tier.foreground()
-        return self.vol.meta.missing_chunks(ids)
+        missing = self.vol.meta.missing_chunks(ids)
+        if missing:
+            self._lease(missing)
+        return missing
+
+    # -- leases of uncommitted chunks (metadata/leases.py) ---------------------------------
+    def _lease(self, ids: set[bytes]) -> None:
+        """The metadata leased these ids to us (missing_chunks): renew them until a commit
+        registers them, so gc keeps their objects however long the file stays open."""
+        with self._cond:
+            self._leased.update(dict.fromkeys(ids))
+            if self._renewer is None:
+                self._renewer = threading.Thread(
+                    target=self._renew_loop, name="ckptfs-lease-renewer", daemon=True
+                )
+                self._renewer.start()
+
+    def _renew_loop(self) -> None:
+        """Every renew_every seconds, renew the leases of ids not yet registered; ids the
+        metadata no longer renews (registered, or lost: the commit will refuse them) are
+        dropped. Ends when none are left (a later missing() starts it again)."""
+        while True:
+            time.sleep(self.renew_every)
+            with self._cond:
+                ids = list(self._leased)
+                if not ids:
+                    self._renewer = None
+                    return
+            try:
+                done = self.vol.meta.renew_chunk_leases(ids)
+            except Exception as e:  # noqa: BLE001 - retried next round; the commit checks
+                log.warning("ckptfs: renewing %d chunk leases failed: %s", len(ids), e)
+                continue
+            with self._cond:
+                for cid in done:
+                    self._leased.pop(cid, None)
 
     # -- storing -------------------------------------------------------------------------
     def store(

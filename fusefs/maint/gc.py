@@ -3,10 +3,12 @@
 Order matters for safety. Rows go first, in one transaction, and only rows
 with refcount 0, no extent pointing at them, and an untouched grace timer
 (missing_chunks restarts it when a writer deduplicates against the chunk).
-Then objects: an object is deleted only if no row names it *now* and it is
-itself older than the grace period, so an object a writer has just stored
-(again) but not yet committed survives until the next run. Objects of backups, and
-objects a kept backup names, stay (fusefs/maint/backup.py).
+Then objects: an object is deleted only if it is older than the grace period, no kept
+backup names it (fusefs/maint/backup.py; backups' own objects stay too), and the metadata
+condemns it (`gc_orphan_objects`): no row names it and no writer holds a lease on it. A
+writer's uncommitted chunks are leased from the "which exist?" answer until its commit,
+however long the file stays open; a lease that lapsed is refused at commit, so no commit
+names an object gc may have deleted (metadata/leases.py has the races).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fusefs.maint.backup import backup_named, is_backup_id
 from fusefs.maint.fsck import DEFAULT_GRACE
 
 BATCH = 1000
+DOOM_S = 300.0  # gc deletes a batch of condemned objects within half of this, or stops
 
 
 @dataclass
@@ -62,17 +65,27 @@ def gc(vol: Volume, *, grace: float = DEFAULT_GRACE, progress: bool | None = Non
                         old.append((cid, size))
                     else:
                         rep.young_objects_skipped += 1
-                doomed: list[tuple[bytes, int]] = []
+                # Objects a kept backup names stay (one read of the backups per node)...
+                kept = _kept(vol, {cid for cid, _ in old})
+                old = [(cid, size) for cid, size in old if cid not in kept]
                 for i in range(0, len(old), BATCH):
                     part = old[i : i + BATCH]
-                    known = vol.meta.known_chunks([cid for cid, _ in part])
-                    doomed += [(cid, size) for cid, size in part if cid not in known]
-                kept = _kept(vol, {cid for cid, _ in doomed})  # one read of the backups
-                for cid, size in doomed:
-                    if cid not in kept:
+                    # ...and the others are condemned for DOOM_S: no row, no writer's lease
+                    # on them, none granted until then (metadata/leases.py); deleted before
+                    # the deadline or not at all
+                    asked = time.monotonic()
+                    doomed = vol.meta.gc_orphan_objects([cid for cid, _ in part], DOOM_S)
+                    for cid, size in part:
+                        if cid not in doomed:
+                            continue
+                        if time.monotonic() - asked > DOOM_S / 2:  # margin for clock rates
+                            rep.errors.append(f"node {node.name}: batch outlived its hold")
+                            break
                         node.delete(cid)
                         rep.objects_deleted += 1
                         rep.bytes_freed += size
+                    if doomed:  # done: a writer asking from now on may store them again
+                        vol.meta.gc_release_objects(sorted(doomed))
             except NodeError as e:
                 rep.errors.append(f"node {node.name}: {e}")
             bar.update(1)
