@@ -9,7 +9,7 @@ records at once. Each rule is written once and yields, per file, whether it
 holds; a rank's error is the first broken rule of its first bad file, in the
 order its files were sent, which is what the rank gets alone or in any batch.
 Names: job names and checkpoint paths are relative paths without '..', NUL or
-over-long names.
+over-long names; the file paths that passed are remembered (`_check_paths`).
 """
 
 from __future__ import annotations
@@ -51,14 +51,14 @@ def _path_check(path: Any, what: str = "path") -> tuple[bytes, tuple[bytes, ...]
     breaks (returned, not raised: a batch checks thousands at once). The bytes are the
     parts joined: a path is rejected, never rewritten."""
     try:
-        raw = path.encode(_FSENC, _FSERR) if type(path) is str else path
+        if type(path) is str:
+            raw = path.encode(_FSENC, _FSERR)
+        else:  # a str subclass: encoded the standard way
+            raw = os.fsencode(path) if isinstance(path, str) else path
     except UnicodeError as e:  # a lone surrogate the encoder's error handler cannot take
         return MetaError(errno.EINVAL, f"{what} is not encodable: {e}")
     if not isinstance(raw, bytes) or not raw:
-        if isinstance(path, str):
-            raw = os.fsencode(path)  # a str subclass: encode it the standard way
-        if not isinstance(raw, bytes) or not raw:
-            return MetaError(errno.EINVAL, f"{what} must be a non-empty string")
+        return MetaError(errno.EINVAL, f"{what} must be a non-empty string")
     if len(raw) > PATH_MAX:
         return MetaError(errno.ENAMETOOLONG, f"{what} longer than {PATH_MAX} bytes")
     if raw[0] == 47 or b"\0" in raw:  # 47: "/"
