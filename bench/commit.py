@@ -153,7 +153,7 @@ def job_worker(url: str, job: str, steps: list[int], ranks: int, cmds, barrier, 
 
 
 def run_jobs(
-    engine: str, n: int, jobs: int, replicas: int, tmp: str, tls: bool = False, rounds: int = 3
+    engine: str, n: int, jobs: int, replicas: int, tmp: str, tls: bool = False, rounds: int = 5
 ) -> dict:
     """`jobs` jobs of `n` ranks, one after another, then all at once (module docstring):
     a warm-up step all at once, then `rounds` rounds of both, alternating which comes
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tls", action="store_true", help="the service speaks TLS")
     ap.add_argument("--jobs", type=int, default=1, help="jobs of --ranks ranks each")
     ap.add_argument("--meta-replicas", type=int, default=1, help="services on one database")
-    ap.add_argument("--rounds", type=int, default=3, help="with --jobs: serial/concurrent rounds")
+    ap.add_argument("--rounds", type=int, default=5, help="with --jobs: serial/concurrent rounds")
     args = ap.parse_args(argv)
     if min(args.ranks, args.jobs, args.meta_replicas, args.procs, args.rounds) < 1:
         ap.error("--ranks, --jobs, --meta-replicas, --procs and --rounds must be at least 1")
