@@ -75,7 +75,6 @@ CKPT_SCHEMA = [
         PRIMARY KEY (job, step, rank))""",
 ]
 # Journal columns newer than the first volumes (sqlite.SCHEMA has them): added on open.
-JOURNAL_COLUMNS = {"ranks": "BLOB NOT NULL DEFAULT x''", "owned": "BLOB NOT NULL DEFAULT x''"}
 
 
 class _Fallback(Exception):
@@ -117,15 +116,10 @@ class CheckpointMixin:
             with self._tx() as c:
                 # DDL only when something is missing: its lock would make this first
                 # transaction wait for every other writer's (PostgreSQL)
-                if not all(self._has(c, t, "*") for t in ("ckpt_steps", "ckpt_ranks")) or not all(
-                    self._has(c, "ref_journal", col) for col in JOURNAL_COLUMNS
-                ):
+                if not all(self._has(c, t, "*") for t in ("ckpt_steps", "ckpt_ranks")):
                     self._lock_named(c, SCHEMA_LOCK)
                     for stmt in self._ckpt_ddl():
                         self._x(c, stmt)
-                    # the journal columns a volume made before them lacks (commits write
-                    # them; `_apply_journal` reads either layout, so nothing waits)
-                    self._add_columns(c, "ref_journal", JOURNAL_COLUMNS)
             self._ckpt_ready = True
         return self._tx(durable=durable)
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -75,6 +74,7 @@ class ChunkSink:
         self._reserved = 0  # bytes admitted for puts still running
         self._leased: dict[bytes, None] = {}  # ids leased to this volume's writers, in flight
         self._renewer: threading.Thread | None = None
+        self._closed = threading.Event()
         self.renew_every = RENEW_EVERY_S
         # Counters (monotonic; read by fusefs.metrics). Chunks and raw bytes every writer
         # handed in, those already stored (dedup hits: known to the volume or repeated in
@@ -135,8 +135,7 @@ class ChunkSink:
         """Every renew_every seconds, renew the leases of ids not yet registered; ids the
         metadata no longer renews (registered, or lost: the commit will refuse them) are
         dropped. Ends when none are left (a later missing() starts it again)."""
-        while True:
-            time.sleep(self.renew_every)
+        while not self._closed.wait(self.renew_every):
             with self._cond:
                 ids = list(self._leased)
                 if not ids:
@@ -150,6 +149,15 @@ class ChunkSink:
             with self._cond:
                 for cid in done:
                     self._leased.pop(cid, None)
+        with self._cond:
+            self._renewer = None
+
+    def close(self) -> None:
+        """Stop renewing (the volume is closing: its engine goes next)."""
+        self._closed.set()
+        renewer = self._renewer
+        if renewer is not None:
+            renewer.join(timeout=5)
 
     # -- storing -------------------------------------------------------------------------
     def store(

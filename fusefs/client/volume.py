@@ -245,6 +245,7 @@ class Volume:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.sink.close()
         if self.tier is not None:
             self.tier.close()
         self.store.close()
