@@ -331,6 +331,25 @@ def test_netns_fleet_run_with_every_fault(tmp_path):
     assert time.monotonic() - t0 < 110, "the CI-size fleet run must stay well under 2 minutes"
 
 
+@needs_netns
+@needs_weed
+def test_netns_keeps_the_old_faults(tmp_path):
+    """--kill-rank, --kill-node, --slow-rank and --slow-node on the fleet: the killed rank's
+    step aborts with the previous one intact, the dead node's replicas serve."""
+    cfg = HarnessConfig(
+        ranks=16, hosts=2, shard_size=64 * 1024, steps=3, topology="netns", kill_rank=True,
+        kill_node=True, slow_rank=1, slow_node=True, slow_delay=0.5,
+        durability="remote", workdir=str(tmp_path), progress=False, phase_timeout=120,
+    )  # fmt: skip
+    rep = run(cfg, log=lambda _m: None)
+    assert rep["verdict"]["ok"], rep["verdict"]["lines"]
+    s1, s2, s3 = rep["steps"]
+    assert s1["state"] == s3["state"] == "published" and s2["state"] == "aborted"
+    assert s2["killed_ranks"] == [8] and rep["killed_node"] == "n0"
+    assert all(s["verified"] == 16 for s in rep["steps"])
+    assert os.listdir(tmp_path) == []
+
+
 @needs_weed
 def test_loopback_fleet_faults(tmp_path):
     """The same faults on 127.0.0.1: a replica killed and restarted, a host's process
