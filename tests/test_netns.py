@@ -234,7 +234,8 @@ def test_a_failed_netns_run_leaves_nothing(tmp_path):
 
 @needs_netns
 @needs_weed
-def test_ctrl_c_tears_the_fleet_down(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_tears_the_fleet_down(tmp_path, sig):
     before = _root_links()
     proc = subprocess.Popen(
         [sys.executable, "-m", "fusefs.cli", "bench", "--embedded", "--topology", "netns",
@@ -251,7 +252,7 @@ def test_ctrl_c_tears_the_fleet_down(tmp_path):
             if line.startswith("step 1:") or time.monotonic() > end:
                 break
         assert any(line.startswith("step 1:") for line in lines), "".join(lines)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
