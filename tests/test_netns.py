@@ -218,6 +218,27 @@ def test_fabric_shapes_cuts_heals_and_leaves_nothing():
 
 
 @needs_netns
+def test_namespaces_of_a_killed_run_are_swept():
+    """A coordinator SIGKILLed cannot tear down: the next run removes what it left."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid no process has now
+    ns = f"{netns.NAME_PREFIX}{dead.pid}x0000-h0"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"])
+    try:
+        time.sleep(0.3)
+        assert ns in netns.list_namespaces()
+        assert ns in netns.sweep_stale()
+        assert ns not in netns.list_namespaces()
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@needs_netns
 @needs_weed
 def test_a_failed_netns_run_leaves_nothing(tmp_path):
     before, mine = _root_links(), _netns_of_this_thread()
