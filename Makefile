@@ -1,6 +1,6 @@
 # The two commands a newcomer needs (see README.md):
 #   make demo   install everything on a fresh Debian machine, run the demo
-#   make test   install everything, run the whole test suite
+#   make test   install everything, run the whole test suite and the wheel check
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 
@@ -15,6 +15,7 @@ demo: install
 
 test: install
 	$(PYTHON) -m ruff check .
+	bash scripts/check-wheel.sh --demo
 	$(PYTHON) -m pytest -x -q tests
 
 lint:

@@ -16,8 +16,25 @@ one JSON object per engine:
   latest_rpc_ms       N pipelined `latest` RPCs of one job, as at a restart:
                       answered in batches by the service's read thread
 
+With --jobs J (J > 1) or --meta-replicas R (R > 1) it measures instead whether
+independent jobs commit side by side: J jobs of N ranks each (one load-generator
+process per job, its connection on replica j mod R of R services sharing one
+PostgreSQL database) commit one job after another, then all at once, in the
+same run (after a warm-up step all at once; --rounds rounds, alternating which
+of the two comes first; the round with the median ratio is reported):
+
+  serial_ms             sum over jobs of (first commit sent -> step published)
+  concurrent_ms         all jobs sent at one barrier -> the last step published
+  concurrent_vs_serial  concurrent_ms / serial_ms (target <= 0.75: writers of
+                        different checkpoints do not queue behind one lock)
+  serial_publish_ms, concurrent_publish_ms  each job's own publish time
+  rounds_concurrent_vs_serial  every round's ratio
+  failovers             client failovers counted (0 unless a replica died)
+
 Usage: python -m bench.commit --ranks 4096 [--engine sqlite|postgres|both] [--tls]
-(--tls: the service speaks TLS, with a self-signed certificate made for the run)
+       python -m bench.commit --engine postgres --jobs 4 --meta-replicas 2 --ranks 1024
+(--tls: the service speaks TLS, with a self-signed certificate made for the run;
+SQLite volumes run one service, so --meta-replicas > 1 skips them)
 """
 
 from __future__ import annotations
@@ -104,6 +121,143 @@ def worker(url: str, job: str, step: int, ranks: list[int], barrier, out) -> Non
     man = _pipelined(client, manifests)
     client.close()
     out.put({"base": base[:2], "latest": latest[:2], "commit": commit, "manifest": man[:2]})
+
+
+def job_worker(url: str, job: str, steps: list[int], ranks: int, cmds, barrier, out) -> None:
+    """One job's ranks, pipelined on one connection. Every step's commits are encoded
+    first; then, per command ("alone" or "together", step), the step's commits are sent
+    at once (together: after the barrier every job waits at) and the time from the first
+    send to the step's publish is reported."""
+    from metadata.client import connect
+
+    client = connect(url)
+    host = f"bench-{os.getpid()}"
+    encoded = {
+        step: client.encode_many(
+            [("commit_rank", (job, step, r, rank_files(r)), {"host": host}) for r in range(ranks)]
+        )
+        for step in steps
+    }
+    out.put(("ready", job))
+    while True:
+        cmd = cmds.get()
+        if cmd is None:
+            break
+        how, step = cmd
+        if how == "together":
+            barrier.wait()
+        t0, _, _ = _pipelined(client, encoded.pop(step))
+        state = client.wait_published(job, step, 600)["state"]
+        out.put(("done", job, step, t0, time.time(), state, client.failovers))
+    client.close()
+
+
+def run_jobs(
+    engine: str, n: int, jobs: int, replicas: int, tmp: str, tls: bool = False, rounds: int = 3
+) -> dict:
+    """`jobs` jobs of `n` ranks, one after another, then all at once (module docstring):
+    a warm-up step all at once, then `rounds` rounds of both, alternating which comes
+    first; the median round's ratio is reported, every round's beside it."""
+    from bench.servers.metaserve import MetaServer, self_signed
+    from bench.servers.postgres import PgCluster, pg_available
+    from fusefs.client.volume import Volume
+    from metadata.client import connect
+
+    head = {"engine": engine, "tls": tls, "ranks": n, "jobs": jobs, "meta_replicas": replicas}
+    if engine == "sqlite" and replicas > 1:
+        return {**head, "skipped": "a SQLite volume runs one service (use --engine postgres)"}
+    cluster = None
+    db = None
+    if engine == "postgres":
+        reason = pg_available()
+        if reason:
+            return {**head, "skipped": reason}
+        cluster = PgCluster(fsync=True)
+        db = cluster.create_db()
+    vol_dir = os.path.join(tmp, f"vol-{engine}")
+    Volume.create(vol_dir, nodes=2, db=db).close()
+    cert = self_signed(tmp) if tls else None
+    servers: list = []
+    ps: list = []
+    names = [f"job{j}" for j in range(jobs)]
+    steps = list(range(1 + 2 * rounds))  # step 0: the warm-up
+    times: dict[tuple[str, int], tuple[float, float, str]] = {}
+    failovers = dict.fromkeys(names, 0)
+    try:
+        servers = [MetaServer(vol_dir, db=db, tls=cert) for _ in range(replicas)]
+        main = connect(servers[0].url)
+        for job in names:
+            for step in steps:
+                main.begin(job, step, n, deadline_s=3600)
+        main.close()
+        ctx = mp.get_context("spawn")
+        barrier = ctx.Barrier(jobs)
+        out = ctx.Queue()
+        cmds = [ctx.Queue() for _ in names]
+        ps = [
+            ctx.Process(target=job_worker, args=(servers[j % replicas].url, job, steps, n,
+                                                 cmds[j], barrier, out))
+            for j, job in enumerate(names)
+        ]  # fmt: skip
+        for p in ps:
+            p.start()
+        for _ in ps:
+            assert out.get(timeout=600)[0] == "ready"
+
+        def phase(how: str, step: int) -> None:
+            for j in range(jobs) if how == "together" else []:
+                cmds[j].put((how, step))
+            for j in range(jobs):
+                if how == "alone":  # the next job starts when this one published
+                    cmds[j].put((how, step))
+                msg = out.get(timeout=600)
+                _, job, st, t0, t1, state, fo = msg
+                times[(job, st)] = (t0, t1, state)
+                failovers[job] = fo
+
+        phase("together", 0)  # warm-up: plans, caches and connections of every replica
+        for k in range(rounds):
+            alone, together = 1 + 2 * k, 2 + 2 * k
+            order = [("alone", alone), ("together", together)]
+            for how, step in order if k % 2 == 0 else order[::-1]:
+                phase(how, step)
+        for q in cmds:
+            q.put(None)
+        for p in ps:
+            p.join(timeout=60)
+    finally:
+        for p in ps:
+            if p.is_alive():
+                p.kill()
+        for s in servers:
+            s.stop()
+        if cluster:
+            cluster.stop()
+    per_round = []
+    for k in range(rounds):
+        alone = [times[(job, 1 + 2 * k)] for job in names]
+        together = [times[(job, 2 + 2 * k)] for job in names]
+        serial_ms = sum(t1 - t0 for t0, t1, _ in alone) * 1e3
+        conc_ms = (max(t[1] for t in together) - min(t[0] for t in together)) * 1e3
+        per_round.append(
+            {
+                "serial_ms": round(serial_ms, 1),
+                "concurrent_ms": round(conc_ms, 1),
+                "concurrent_vs_serial": round(conc_ms / serial_ms, 3),
+                "serial_publish_ms": [round((t1 - t0) * 1e3, 1) for t0, t1, _ in alone],
+                "concurrent_publish_ms": [round((t1 - t0) * 1e3, 1) for t0, t1, _ in together],
+            }
+        )
+    median = sorted(per_round, key=lambda r: r["concurrent_vs_serial"])[rounds // 2]
+    return {
+        **head,
+        "rounds": rounds,
+        "states": sorted({st for _, _, st in times.values()}),
+        **median,
+        "rounds_concurrent_vs_serial": [r["concurrent_vs_serial"] for r in per_round],
+        "failovers": sum(failovers.values()),
+        "extents": jobs * n * FILES * EXTENTS,
+    }
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -195,16 +349,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--procs", type=int, default=4, help="worker processes (connections)")
     ap.add_argument("--engine", choices=["sqlite", "postgres", "both"], default="both")
     ap.add_argument("--tls", action="store_true", help="the service speaks TLS")
+    ap.add_argument("--jobs", type=int, default=1, help="jobs of --ranks ranks each")
+    ap.add_argument("--meta-replicas", type=int, default=1, help="services on one database")
+    ap.add_argument("--rounds", type=int, default=3, help="with --jobs: serial/concurrent rounds")
     args = ap.parse_args(argv)
+    if min(args.ranks, args.jobs, args.meta_replicas, args.procs, args.rounds) < 1:
+        ap.error("--ranks, --jobs, --meta-replicas, --procs and --rounds must be at least 1")
     engines = ["sqlite", "postgres"] if args.engine == "both" else [args.engine]
+    multi = args.jobs > 1 or args.meta_replicas > 1
     tmp = tempfile.mkdtemp(prefix="ckptfs-bench-commit-")
     try:
         procs = min(args.procs, args.ranks)
-        results = {e: run(e, args.ranks, procs, tmp, args.tls) for e in engines}
+        results = {
+            e: run_jobs(e, args.ranks, args.jobs, args.meta_replicas, tmp, args.tls, args.rounds)
+            if multi
+            else run(e, args.ranks, procs, tmp, args.tls)
+            for e in engines
+        }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     targets = {4096: (500, 500), 16384: (2000, None)}.get(args.ranks)
-    print(json.dumps({"bench": "commit", "ranks": args.ranks, "targets_ms": targets, **results}))
+    doc = {"bench": "commit", "ranks": args.ranks, "targets_ms": targets}
+    if multi:
+        doc["target_concurrent_vs_serial"] = 0.75
+    print(json.dumps({**doc, **results}))
     return 0
 
 

@@ -18,7 +18,8 @@ class NodeHealth:
     def __init__(self, base: float = 1.0, cap: float = 30.0) -> None:
         self.base = base
         self.cap = cap
-        self.failures = 0
+        self.failures = 0  # consecutive: reset by a success
+        self.errors = 0  # every failure since start (a counter for metrics)
         self.down_until = 0.0
         self.last_error = ""
         self._lock = threading.Lock()
@@ -35,6 +36,7 @@ class NodeHealth:
     def failed(self, error: str = "") -> None:
         with self._lock:
             self.failures += 1
+            self.errors += 1
             backoff = min(self.cap, self.base * 2 ** (self.failures - 1))
             self.down_until = time.monotonic() + backoff
             self.last_error = error

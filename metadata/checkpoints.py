@@ -21,44 +21,45 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import struct
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
-from itertools import accumulate, chain, repeat
-from operator import attrgetter, lt
+from itertools import chain, repeat
 from typing import Any
 
-import msgspec
 import numpy as np
-import xxhash
 
+from metadata.ckptcheck import MAX_WORLD, check_int, check_job, prepare_commits, split_rel
+from metadata.ckptformat import (
+    CHK,
+    EXT,
+    INO,
+    RANK,
+    WireFile,
+    blob_chunk_ids,
+    chk_ids,
+    file_fields,
+    pack_chunks,
+    pack_extents,
+    pack_files,
+    unpack_extents,
+)
 from metadata.engine import (
-    DURABLE,
-    MAX_CHUNK_BYTES,
-    NAME_MAX,
     ROOT_INO,
-    STAGED,
-    Extent,
     MetaError,
-    NewChunk,
     UnknownChunks,
-    chunk_lengths_ok,
     internal_error,
 )
+from metadata.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
+
+__all__ = [  # the packing helpers, importable from here as before
+    "CHK", "EXT", "INO", "RANK", "WireFile", "blob_chunk_ids", "file_fields", "pack_chunks",
+    "pack_extents", "pack_files", "unpack_extents", "CheckpointMixin",
+]  # fmt: skip
 
 OPEN, PUBLISHED, ABORTED, DELETED = 0, 1, 2, 3
 STATE_NAMES = {OPEN: "open", PUBLISHED: "published", ABORTED: "aborted", DELETED: "deleted"}
-PATH_MAX = 4096
-MAX_FILES_PER_RANK = 100_000
-MAX_WORLD = 1 << 20
 JOURNAL_MAX = 20_000  # pending journal rows before commit_ranks applies them itself
 JOURNAL_GROUP = 32  # rank commits of one step per journal row
-EXT = struct.Struct("<QQQ16s")  # offset, length, chunk_off, chunk id (also inodes.extents)
-CHK = struct.Struct("<16sQQB")  # chunk id, raw_len, stored_len, state
-INO = struct.Struct("<Q")  # ckpt_ranks.inos: the rank's file inodes, in path order
-RANK = struct.Struct("<Q")  # ref_journal.ranks: the rank commits a journal row holds
 
 CKPT_SCHEMA = [
     """CREATE TABLE IF NOT EXISTS ckpt_steps (
@@ -85,404 +86,6 @@ def _now() -> int:
     return time.time_ns()
 
 
-def pack_extents(extents: Iterable[Extent]) -> bytes:
-    return b"".join(EXT.pack(e.offset, e.length, e.chunk_off, e.chunk_id) for e in extents)
-
-
-def unpack_extents(data: bytes) -> list[Extent]:
-    return [Extent(o, n, bytes(c), co) for o, n, co, c in EXT.iter_unpack(data)]
-
-
-def blob_chunk_ids(data: bytes) -> list[bytes]:
-    """The chunk id of every extent in a packed list, without building Extent objects."""
-    return [data[i : i + 16] for i in range(24, len(data), EXT.size)]
-
-
-def pack_chunks(chunks: Iterable[NewChunk]) -> bytes:
-    return b"".join(CHK.pack(c.chunk_id, c.raw_len, c.stored_len, c.state) for c in chunks)
-
-
-def pack_files(files: list[dict]) -> list[dict]:
-    """Files with Extent/NewChunk lists -> the packed form commit_rank sends.
-
-    Anything malformed passes through unchanged, for the engine to reject.
-    """
-    if not isinstance(files, list):
-        return files
-    out = []
-    for f in files:
-        if not isinstance(f, dict):
-            out.append(f)
-            continue
-        g = dict(f)
-        if isinstance(g.get("extents"), list) and all(isinstance(e, Extent) for e in g["extents"]):
-            g["extents"] = pack_extents(g["extents"])
-        chunks = g.get("new_chunks")
-        if isinstance(chunks, list) and all(isinstance(c, NewChunk) for c in chunks):
-            g["new_chunks"] = pack_chunks(chunks)
-        out.append(g)
-    return out
-
-
-class WireFile(msgspec.Struct):
-    """One file of a commit_rank as clients send it (`pack_files`), decoded with its types
-    checked by msgspec (protocol.parse_commit): a 4096-rank burst spent ~14 ms per 1024
-    ranks decoding these as dicts and checking each field in Python, ~9 ms as structs."""
-
-    path: str
-    size: int
-    extents: bytes = b""
-    new_chunks: bytes = b""
-
-
-def file_fields(f: WireFile | dict) -> tuple[Any, Any, Any, Any]:
-    """(path, size, extents, new_chunks) of a commit's file, a WireFile or a dict."""
-    if type(f) is WireFile:
-        return f.path, f.size, f.extents, f.new_chunks
-    return f.get("path", b""), f.get("size"), f.get("extents", b""), f.get("new_chunks", b"")
-
-
-def split_rel(path: str | bytes, what: str = "path") -> list[bytes]:
-    """A path relative to its checkpoint: no absolute paths, '..', NUL or bad names."""
-    return _split_rel(path, what)[1]
-
-
-def _split_rel(path: Any, what: str = "path") -> tuple[bytes, list[bytes]]:
-    """split_rel's checks; (the path's bytes, its parts). The bytes are the parts joined:
-    a path is rejected, never rewritten."""
-    raw = path.encode(_FSENC, _FSERR) if type(path) is str else path
-    if not isinstance(raw, bytes) or not raw:
-        if isinstance(path, str):
-            raw = os.fsencode(path)  # a str subclass: encode it the standard way
-        if not isinstance(raw, bytes) or not raw:
-            raise MetaError(errno.EINVAL, f"{what} must be a non-empty string")
-    if len(raw) > PATH_MAX:
-        raise MetaError(errno.ENAMETOOLONG, f"{what} longer than {PATH_MAX} bytes")
-    if raw[0] == 47 or b"\0" in raw:  # 47: "/"
-        raise MetaError(errno.EINVAL, f"{what} {raw[:80]!r} must be relative, without NUL")
-    parts = raw.split(b"/")
-    # check_name's rules, checked for all parts at once (16k paths per 4096-rank step)
-    if b"" in parts or b"." in parts or b".." in parts:
-        raise MetaError(errno.EINVAL, f"{what} {raw[:80]!r} escapes or is not normalized")
-    if len(raw) > NAME_MAX and max(map(len, parts)) > NAME_MAX:
-        raise MetaError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes in {what}")
-    return raw, parts
-
-
-_FSENC, _FSERR = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
-
-
-def _check_job(job: Any) -> str:
-    if not isinstance(job, str) or not job or len(job) > 200:
-        raise MetaError(errno.EINVAL, "job must be a non-empty string of at most 200 characters")
-    split_rel(job, "job name")
-    return job
-
-
-def _check_int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
-        raise MetaError(errno.EINVAL, f"{what} must be an integer in [{lo}, {hi})")
-    return v
-
-
-def _chk_ids(data: bytes) -> list[bytes]:
-    return [data[i : i + 16] for i in range(0, len(data), CHK.size)]
-
-
-def _norm_files(files: Any) -> tuple[list[tuple[bytes, list[bytes], int, bytes, bytes]], int]:
-    """Validate a rank's files: [(path, parts, size, packed extents, packed new chunks)],
-    sorted by path, and the raw bytes of the rank's declared new chunks."""
-    if not isinstance(files, list):
-        raise MetaError(errno.EINVAL, "files must be a list")
-    if len(files) > MAX_FILES_PER_RANK:
-        raise MetaError(errno.E2BIG, f"more than {MAX_FILES_PER_RANK} files in one rank commit")
-    out = []
-    seen: set[bytes] = set()
-    new_bytes = 0
-    if not all(type(f) is WireFile for f in files):  # typed by the decoder: nothing to unpack
-        if not all(isinstance(f, dict | WireFile) for f in files):
-            raise MetaError(errno.EINVAL, "each file is a dict with path, size, extents")
-        if any(
-            type(f) is dict
-            and (isinstance(f.get("extents"), list) or isinstance(f.get("new_chunks"), list))
-            for f in files
-        ):
-            files = pack_files(files)
-    for f in files:
-        p, size, blob, chk_blob = file_fields(f)
-        path, parts = _split_rel(p)
-        if path in seen:
-            raise MetaError(errno.EINVAL, f"file {path!r} listed twice")
-        seen.add(path)
-        if type(size) is not int or not 0 <= size < 2**62:
-            size = _check_int(size, "size")
-        if type(blob) is not bytes or type(chk_blob) is not bytes:
-            if not isinstance(blob, bytes | bytearray) or not isinstance(
-                chk_blob, bytes | bytearray
-            ):
-                raise MetaError(errno.EINVAL, f"{path!r}: extents/new_chunks are not packed lists")
-            blob, chk_blob = bytes(blob), bytes(chk_blob)
-        if len(blob) % EXT.size or len(chk_blob) % CHK.size:
-            raise MetaError(errno.EINVAL, f"{path!r}: extents/new_chunks are not packed lists")
-        end = 0
-        for off, n, _coff, _ in EXT.iter_unpack(blob):
-            if n <= 0 or off < end:
-                raise MetaError(errno.EINVAL, f"{path!r}: bad extent list at offset {off}")
-            end = off + n
-        if end > size:
-            raise MetaError(errno.EINVAL, f"{path!r}: extents end at {end}, past size {size}")
-        for _cid, raw_len, stored_len, st in CHK.iter_unpack(chk_blob):
-            if not chunk_lengths_ok(raw_len, stored_len) or st > DURABLE:
-                raise MetaError(errno.EINVAL, f"{path!r}: bad new chunk record")
-            new_bytes += raw_len
-        out.append((path, parts, size, blob, chk_blob))
-    out.sort(key=_first)
-    return out, new_bytes
-
-
-class _SlowPath(Exception):
-    """A group commit needs the rank-by-rank checks (for the exact error)."""
-
-
-# Byte sequences of a path list joined and framed with NULs that only a path
-# `_split_rel` refuses can contain: empty, absolute, an empty, "." or ".." part.
-_BAD_SEQS = tuple(
-    a + b + c
-    for b in (b"", b".", b"..")
-    for a in (b"\0", b"/")
-    for c in (b"\0", b"/")
-    if b or a + c != b"\0/"  # "\0/" alone is an absolute path: listed below
-) + (b"\0/",)
-
-
-def _first(t: tuple) -> Any:
-    return t[0]
-
-
-_EXT_DT = np.dtype([("off", "<u8"), ("len", "<u8"), ("coff", "<u8"), ("id", "V16")])
-_CHK_DT = np.dtype([("id", "V16"), ("raw", "<u8"), ("stored", "<u8"), ("st", "u1")])
-BATCH_CHECK_MIN = 16  # ranks in a group commit before the vectorized checks pay off
-
-
-def _check_columns(
-    counts: list[int], sizes: list[int], ext_all: bytes, ext_n: Any, chk_all: bytes, chk_n: Any
-) -> tuple[bool, list[int], list[bool], list[int]]:
-    """`_norm_files`'s extent and chunk checks for a whole batch, vectorized: item k
-    owns the next counts[k] files; file j has sizes[j], ext_n[j] packed extents and
-    chk_n[j] new-chunk records, all files' packed one after another in ext_all and
-    chk_all.
-
-    Returns whether every file passes, every item's new-chunk byte count,
-    whether each item is self-contained (every file's extents are exactly its
-    declared new chunks, in order: no lookup of known chunks needed), and the
-    bytes each file's extents cover (its `alloc`). Fields are
-    read through strided views of the packed records: numpy's structured-dtype
-    field access copied and was ~3x slower.
-    """
-    n, nf = len(counts), len(sizes)
-    owner = np.repeat(np.arange(n), counts)  # file -> item
-    ne, nc = len(ext_all) // EXT.size, len(chk_all) // CHK.size
-    fidx = np.repeat(np.arange(nf), ext_n)
-    if ne:
-        off = np.ndarray((ne,), "<u8", ext_all, 0, (EXT.size,))
-        ln = np.ndarray((ne,), "<u8", ext_all, 8, (EXT.size,))
-        if ((ln == 0) | (off >= 2**62) | (ln >= 2**62)).any():
-            return False, [], [], []
-        end = off + ln  # no wrap-around: both below 2**62
-        same_file = fidx[1:] == fidx[:-1]
-        if (same_file & (off[1:] < end[:-1])).any():  # overlaps or goes backwards
-            return False, [], [], []
-        last = np.ones(ne, bool)
-        last[:-1] = ~same_file
-        if (end[last] > np.fromiter(sizes, np.uint64, nf)[fidx[last]]).any():
-            return False, [], [], []
-        sums = np.bincount(fidx, weights=ln, minlength=nf)
-        if sums.max() >= 2**52:  # float64 sums are exact below 2**53: else the exact path
-            return False, [], [], []
-        alloc = [int(b) for b in sums.tolist()]
-    else:
-        alloc = [0] * nf
-    new_bytes = [0] * n
-    if nc:
-        raw = np.ndarray((nc,), "<u8", chk_all, 16, (CHK.size,))
-        stored = np.ndarray((nc,), "<u8", chk_all, 24, (CHK.size,))
-        st = np.ndarray((nc,), "u1", chk_all, 32, (CHK.size,))
-        big = (raw >= MAX_CHUNK_BYTES) | (stored >= MAX_CHUNK_BYTES)
-        if ((raw == 0) | (stored == 0) | big | (st > DURABLE)).any():
-            return False, [], [], []
-        per_file = np.bincount(np.repeat(np.arange(nf), chk_n), weights=raw, minlength=nf)
-        new_bytes = [int(b) for b in np.bincount(owner, weights=per_file, minlength=n).tolist()]
-    same = ext_n == chk_n
-    if ne and nc and same.any():
-        e_lo, e_hi = (np.ndarray((ne,), "<u8", ext_all, 24 + h, (EXT.size,)) for h in (0, 8))
-        c_lo, c_hi = (np.ndarray((nc,), "<u8", chk_all, h, (CHK.size,)) for h in (0, 8))
-        if same.all():  # the usual batch: the ids of all files align
-            differ, files = (e_lo != c_lo) | (e_hi != c_hi), fidx
-        else:
-            em, cm = np.repeat(same, ext_n), np.repeat(same, chk_n)
-            differ = (e_lo[em] != c_lo[cm]) | (e_hi[em] != c_hi[cm])
-            files = fidx[em]
-        same &= np.bincount(files, weights=differ, minlength=nf) == 0
-    closed = (np.bincount(owner, weights=~same, minlength=n) == 0).tolist()
-    return True, new_bytes, closed, alloc
-
-
-def _prepare_columns(items: list[tuple]) -> list[tuple]:
-    """`prepare_commits` for a batch of well-typed commits (files as WireFiles, which
-    `protocol.parse_commit` decodes), checked column by column: one pass of C-speed
-    builtins and numpy over all the batch's files, then a few joins per rank.
-
-    The per-rank checks cost ~45 us of Python a rank (~4 files), under the GIL
-    the group commit's writer needs: at 4096 ranks, a third of the publish time.
-    Anything this does not take as it is (a dict file, a value out of range, a bad
-    path, a duplicate) raises _SlowPath, and the rank-by-rank checks name the error.
-    """
-    try:
-        jobs, steps, ranks, files, hosts = zip(*items, strict=True)
-    except (TypeError, ValueError) as e:
-        raise _SlowPath from e
-    types = (set(map(type, jobs)), set(map(type, steps)), set(map(type, ranks)),
-             set(map(type, files)), set(map(type, hosts)))  # fmt: skip
-    if types != ({str}, {int}, {int}, {list}, {str}):
-        raise _SlowPath
-    try:
-        for job in set(jobs):
-            _check_job(job)
-    except (MetaError, TypeError, ValueError) as e:  # UnicodeError: a lone surrogate
-        raise _SlowPath from e
-    counts = list(map(len, files))
-    if (min(steps) < 0 or max(steps) >= 2**62 or min(ranks) < 0 or max(ranks) >= 2**62
-            or max(map(len, hosts)) > 255 or max(counts) > MAX_FILES_PER_RANK):  # fmt: skip
-        raise _SlowPath
-    flat = list(chain.from_iterable(files))
-    if set(map(type, flat)) != {WireFile}:
-        raise _SlowPath
-    nf = len(flat)
-    paths: list = list(map(_PATH, flat))
-    sizes: list = list(map(_SIZE, flat))
-    exts: list = list(map(_EXTS, flat))
-    chks: list = list(map(_CHKS, flat))
-    if (set(map(type, paths)) != {str} or set(map(type, sizes)) != {int}
-            or set(map(type, exts)) | set(map(type, chks)) != {bytes}
-            or min(sizes) < 0 or max(sizes) >= 2**62):  # fmt: skip
-        raise _SlowPath
-    joined = "\0".join(paths)
-    try:
-        raw = joined.encode(_FSENC, _FSERR)
-    except UnicodeError as e:
-        raise _SlowPath from e
-    paths = raw.split(b"\0")
-    if len(paths) != nf or max(map(len, paths)) > NAME_MAX:  # a NUL in a path; long ones
-        raise _SlowPath
-    framed = b"\0" + raw + b"\0"
-    if any(seq in framed for seq in _BAD_SEQS):
-        raise _SlowPath
-    starts = list(accumulate(counts, initial=0))
-    # Each rank's files in path order, no path twice: usually sent that way already.
-    unsorted = _unsorted(paths, starts)
-    if unsorted:
-        order = list(range(nf))
-        for k in unsorted:
-            a, b = starts[k], starts[k + 1]
-            order[a:b] = sorted(order[a:b], key=paths.__getitem__)
-        paths, sizes, exts, chks = ([col[j] for j in order] for col in (paths, sizes, exts, chks))
-        if _unsorted(paths, starts):  # a path twice
-            raise _SlowPath
-    elen = np.fromiter(map(len, exts), np.int64, nf)
-    clen = np.fromiter(map(len, chks), np.int64, nf)
-    if (elen % EXT.size).any() or (clen % CHK.size).any():
-        raise _SlowPath
-    ext_all, chk_all = b"".join(exts), b"".join(chks)
-    ext_n = elen // EXT.size
-    ok, new_bytes, closed, alloc = _check_columns(
-        counts, sizes, ext_all, ext_n, chk_all, clen // CHK.size
-    )  # fmt: skip
-    if not ok:
-        raise _SlowPath
-    # Per file: the digest's head (see _digest), and offsets into the joined columns.
-    plen = np.fromiter(map(len, paths), np.int64, nf)
-    heads = np.empty((nf, 4), "<u8")
-    heads[:, 0], heads[:, 1] = plen, np.fromiter(sizes, np.uint64, nf)
-    heads[:, 2], heads[:, 3] = ext_n, clen // CHK.size
-    hsz = _DIGEST_HEAD.size
-    p_at = [0, *accumulate((plen + 1).tolist())]
-    e_at, c_at = [0, *accumulate(elen.tolist())], [0, *accumulate(clen.tolist())]
-    s_at = [0, *accumulate(sizes)]
-    praw = b"\0".join(paths)
-    hv, pv, ev, cv = map(memoryview, (heads.tobytes(), praw, ext_all, chk_all))
-    parts = list(map(bytes.split, paths, repeat(b"/")))
-    rows = list(zip(paths, parts, sizes, exts, chks, strict=True))
-    shallow = max(map(len, parts)) <= 2  # the common shape: at most one directory deep
-    todo = []
-    for k, item in enumerate(items):
-        a, b = starts[k], starts[k + 1]
-        pe = p_at[b] - 1 if b > a else p_at[a]  # the rank's paths end (no files: empty)
-        if shallow:
-            dirs = {(p[0],) for p in parts[a:b] if len(p) == 2}
-        else:
-            dirs = {tuple(p[:d]) for p in parts[a:b] for d in range(1, len(p))}
-        rank_parts = (
-            s_at[b] - s_at[a],
-            praw[p_at[a] : pe],
-            chk_all[c_at[a] : c_at[b]],
-            b"" if closed[k] else ext_all[e_at[a] : e_at[b]],
-            dirs,
-            alloc[a:b],
-        )
-        h = xxhash.xxh3_128(hv[hsz * a : hsz * b])
-        h.update(pv[p_at[a] : pe])
-        h.update(ev[e_at[a] : e_at[b]])
-        h.update(cv[c_at[a] : c_at[b]])
-        todo.append((k, item[0], item[1], item[2], rows[a:b], item[4], h.digest(),
-                     new_bytes[k], closed[k], rank_parts))  # fmt: skip
-    return todo
-
-
-_PATH, _SIZE = attrgetter("path"), attrgetter("size")
-_EXTS, _CHKS = attrgetter("extents"), attrgetter("new_chunks")
-
-
-def _unsorted(paths: list[bytes], starts: list[int]) -> list[int]:
-    """The items (item k owns paths[starts[k]:starts[k+1]]) whose paths do not strictly
-    increase."""
-    n = len(paths)
-    if n < 2:
-        return []
-    up = np.fromiter(map(lt, paths[:-1], paths[1:]), bool, n - 1)
-    cuts = np.array(starts[1:-1], np.int64)
-    up[cuts[(cuts > 0) & (cuts < n)] - 1] = True  # across a boundary: no order needed
-    if up.all():
-        return []
-    owner = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
-    return sorted(set(owner[np.flatnonzero(~up)].tolist()))
-
-
-def _rank_parts(
-    files: list, closed: bool
-) -> tuple[int, bytes, bytes, bytes, set[tuple[bytes, ...]], list[int]]:
-    """What the write of a rank's row needs, computed before the write lock: total
-    size, paths (NUL-separated), new chunks and extents (the journal's blobs), the
-    directory prefixes its files need and the bytes each file's extents cover
-    (`alloc`). A closed rank's extents are exactly its
-    new chunks: the journal takes one reference per chunk record (`owned`) and
-    needs no second copy of the ids."""
-    if not files:
-        return 0, b"", b"", b"", set(), []
-    paths, parts, sizes, exts, chunks = zip(*files, strict=True)  # columns, at C speed
-    if max(map(len, parts)) <= 2:  # the common shape: files at most one directory deep
-        dirs = {(p[0],) for p in parts if len(p) == 2}
-    else:
-        dirs = {tuple(p[:k]) for p in parts for k in range(1, len(p))}
-    return (
-        sum(sizes),
-        b"\0".join(paths),
-        b"".join(chunks),
-        b"" if closed else b"".join(exts),
-        dirs,
-        [sum(e[1] for e in EXT.iter_unpack(x)) for x in exts],
-    )
-
-
 def _journal_rows(by_step: dict[tuple[str, int], list[tuple]]) -> list[tuple]:
     """ref_journal rows for a group commit's (rank, chunks, refs, closed) entries: up to
     JOURNAL_GROUP ranks of one step per row. Thousands of rows of a few KB each cost
@@ -500,23 +103,6 @@ def _journal_rows(by_step: dict[tuple[str, int], list[tuple]]) -> list[tuple]:
     return rows
 
 
-def _digest(files: list) -> bytes:
-    """A rank commit's identity: xxh3-128 over each file's (path length, size, extent
-    count, chunk count), then the paths joined with NULs, the extents, the new chunks, in
-    path order (the layout `_prepare_columns` hashes from its joined columns)."""
-    paths, _, sizes, exts, chks = zip(*files, strict=True) if files else ((),) * 5
-    h = xxhash.xxh3_128(
-        b"".join(
-            _DIGEST_HEAD.pack(len(p), size, len(e) // EXT.size, len(c) // CHK.size)
-            for p, size, e, c in zip(paths, sizes, exts, chks, strict=True)
-        )
-    )
-    for col in (b"\0".join(paths), b"".join(exts), b"".join(chks)):
-        h.update(col)
-    return h.digest()
-
-
-_DIGEST_HEAD = struct.Struct("<QQQQ")
 _BLOB = bytearray()  # its join() makes a bytearray
 
 
@@ -529,11 +115,17 @@ class CheckpointMixin:
         """A durable write transaction: checkpoint outcomes are acknowledged to ranks."""
         if not self._ckpt_ready:
             with self._tx() as c:
-                for stmt in self._ckpt_ddl():
-                    self._x(c, stmt)
-                # the journal columns a volume made before them lacks (commits write
-                # them; `_apply_journal` reads either layout, so nothing waits)
-                self._add_columns(c, "ref_journal", JOURNAL_COLUMNS)
+                # DDL only when something is missing: its lock would make this first
+                # transaction wait for every other writer's (PostgreSQL)
+                if not all(self._has(c, t, "*") for t in ("ckpt_steps", "ckpt_ranks")) or not all(
+                    self._has(c, "ref_journal", col) for col in JOURNAL_COLUMNS
+                ):
+                    self._lock_named(c, SCHEMA_LOCK)
+                    for stmt in self._ckpt_ddl():
+                        self._x(c, stmt)
+                    # the journal columns a volume made before them lacks (commits write
+                    # them; `_apply_journal` reads either layout, so nothing waits)
+                    self._add_columns(c, "ref_journal", JOURNAL_COLUMNS)
             self._ckpt_ready = True
         return self._tx(durable=durable)
 
@@ -562,6 +154,7 @@ class CheckpointMixin:
         return row
 
     # -- begin -------------------------------------------------------------
+    @retried
     def begin(
         self,
         job: str,
@@ -572,13 +165,14 @@ class CheckpointMixin:
         deadline_s: float = 600.0,
     ) -> dict:
         """Open a step (idempotent: the same arguments again return the same step)."""
-        _check_job(job)
-        _check_int(step, "step")
-        _check_int(world_size, "world_size", 1, MAX_WORLD)
+        check_job(job)
+        check_int(step, "step")
+        check_int(world_size, "world_size", 1, MAX_WORLD)
         if not isinstance(deadline_s, int | float) or not 0 < deadline_s <= 30 * 86400:
             raise MetaError(errno.EINVAL, "deadline_s must be in (0, 30 days]")
         dest = b"/".join(split_rel(path if path is not None else f"{job}/step-{step:06d}"))
         with self._ckpt_tx() as c:
+            self._lock_steps(c, [(job, step)])  # a begin on another service waits, then sees it
             row = self._one(
                 c,
                 "SELECT world_size, path, state FROM ckpt_steps WHERE job = ? AND step = ?",
@@ -659,35 +253,10 @@ class CheckpointMixin:
     def prepare_commits(self, items: list[tuple]) -> tuple[list[Any], list[tuple]]:
         """Validate a group commit without touching the database: (outcomes so far, the
         valid commits). Pure CPU work, so the service runs it for the next batch while
-        the previous one is being written. A big batch of typed commits is checked
-        column by column (`_prepare_columns`); if anything in it looks wrong, or for a
-        small batch, each rank is checked alone, so every rank gets the error it would
-        get alone."""
-        if len(items) >= BATCH_CHECK_MIN:
-            try:
-                return [None] * len(items), _prepare_columns(items)
-            except _SlowPath:
-                pass
-        out: list[Any] = [None] * len(items)
-        todo = []
-        jobs: set[str] = set()  # job names checked in this batch (one per step, usually)
-        for i, item in enumerate(items):
-            try:
-                job, step, rank, files, host = item
-                if type(job) is not str or job not in jobs:
-                    jobs.add(_check_job(job))
-                _check_int(step, "step")
-                _check_int(rank, "rank")
-                if not isinstance(host, str) or len(host) > 255:
-                    raise MetaError(errno.EINVAL, "host must be a string of at most 255 chars")
-                norm, new_bytes = _norm_files(files)
-                todo.append((i, job, step, rank, norm, host, _digest(norm), new_bytes, False))
-            except MetaError as e:
-                out[i] = e
-            except (TypeError, ValueError) as e:
-                out[i] = MetaError(errno.EINVAL, f"bad commit_rank arguments: {e}")
-        return out, [(*t, _rank_parts(t[4], t[8])) for t in todo]
+        the previous one is being written (ckptcheck.prepare_commits)."""
+        return prepare_commits(items)
 
+    @retried
     def write_commits(self, prepared: tuple[list[Any], list[tuple]]) -> list[dict | MetaError]:
         """Write prepared commits in one transaction, one bulk insert per table (durable once
         it publishes or aborts a step).
@@ -706,9 +275,15 @@ class CheckpointMixin:
         # it. Measured: 8 embedded DCP ranks each fsyncing their commit queued ~25 ms per
         # rank and halved the step-2 speedup.
         with self._ckpt_tx(durable="lazy") as c:
+            # The steps written (their rank counts, their publish, an abort racing it) and
+            # the chunk gate (the references checked stay valid): see postgres.py.
+            self._lock_steps(c, {(t[1], t[2]) for t in todo})
+            self._lock_named(c, CHUNK_GATE, shared=True)
             self._x(c, "SAVEPOINT batch")
             try:
                 res = self._commit_group(c, todo, careful=False)
+            except self._retryable:
+                raise  # the whole transaction runs again (txlocks.retried)
             except Exception:  # noqa: BLE001 - a conflict; the careful pass names it
                 self._x(c, "ROLLBACK TO SAVEPOINT batch")
                 res = {}
@@ -719,6 +294,8 @@ class CheckpointMixin:
                     except MetaError as e:
                         self._x(c, "ROLLBACK TO SAVEPOINT one")
                         res[t[0]] = e
+                    except self._retryable:
+                        raise
                     except Exception as e:  # noqa: BLE001 - e.g. a value past 2**63: this rank's
                         self._x(c, "ROLLBACK TO SAVEPOINT one")
                         res[t[0]] = internal_error("commit_rank", e)
@@ -835,7 +412,7 @@ class CheckpointMixin:
             if t[8]:  # self-contained: checked in _check_columns
                 continue
             for f in t[4]:
-                ext_ids, new_ids = blob_chunk_ids(f[3]), _chk_ids(f[4])
+                ext_ids, new_ids = blob_chunk_ids(f[3]), chk_ids(f[4])
                 if ext_ids != new_ids:  # the common case: every extent a new chunk, in order
                     ask.update(set(ext_ids).difference(new_ids))
         if not ask:
@@ -1030,12 +607,11 @@ class CheckpointMixin:
         try:
             parent = ROOT_INO
             for name in parts[:-1]:
-                row = self._one(
-                    c,
-                    "SELECT d.ino, i.mode FROM dentries d JOIN inodes i ON i.ino = d.ino "
-                    "WHERE d.parent = ? AND d.name = ?",
-                    (parent, name),
-                )
+                row = self._child(c, parent, name)
+                if row is None:  # make it, holding the directory it goes in (namespace.py)
+                    self._lock_inodes(c, (parent,))
+                    self._dir(c, parent)  # not removed meanwhile
+                    row = self._child(c, parent, name)  # nor made by someone else
                 if row is None:
                     ino = self._new_dir_inode(c, _now())
                     self._x(
@@ -1049,15 +625,16 @@ class CheckpointMixin:
                     raise MetaError(errno.ENOTDIR, f"{name!r} on the checkpoint path is a file")
                 else:
                     parent = row[0]
-            if self._one(
-                c, "SELECT 1 FROM dentries WHERE parent = ? AND name = ?", (parent, parts[-1])
-            ):
-                raise MetaError(errno.EEXIST, f"checkpoint path {bytes(path)!r} already exists")
-            self._x(
+            self._lock_inodes(c, (parent,))  # the directory the step's tree is linked into
+            self._dir(c, parent)
+            entry = self._x(
                 c,
-                "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?)",
+                "INSERT INTO dentries (parent, name, ino) VALUES (?,?,?) "
+                "ON CONFLICT (parent, name) DO NOTHING",
                 (parent, parts[-1], root),
             )
+            if entry.rowcount != 1:
+                raise MetaError(errno.EEXIST, f"checkpoint path {bytes(path)!r} already exists")
             self._touch_dir(c, parent, 1)
             self._x(
                 c,
@@ -1070,11 +647,22 @@ class CheckpointMixin:
             self._x(c, "RELEASE SAVEPOINT publish")
             self._abort(c, job, step, f"publish failed: {e}")
 
+    def _child(self, c: Any, parent: int, name: bytes) -> tuple[int, int] | None:
+        """(ino, mode) of `name` in directory `parent`, or None."""
+        return self._one(
+            c,
+            "SELECT d.ino, i.mode FROM dentries d JOIN inodes i ON i.ino = d.ino "
+            "WHERE d.parent = ? AND d.name = ?",
+            (parent, name),
+        )
+
     # -- abort / deadlines ---------------------------------------------------
+    @retried
     def abort(self, job: str, step: int, reason: str = "aborted by request") -> dict:
-        _check_job(job)
-        _check_int(step, "step")
+        check_job(job)
+        check_int(step, "step")
         with self._ckpt_tx() as c:
+            self._lock_steps(c, [(job, step)])
             state = self._step(c, job, step)[0]
             if state == PUBLISHED:
                 raise MetaError(errno.EBUSY, f"{job} step {step} is published; delete it instead")
@@ -1082,15 +670,19 @@ class CheckpointMixin:
                 self._abort(c, job, step, str(reason)[:500])
             return self._brief(c, job, step)
 
-    def _subtree(self, c: Any, root: int) -> tuple[list[int], Counter[int]]:
+    def _subtree(self, c: Any, root: int, *, lock: bool = False) -> tuple[list[int], Counter[int]]:
         """The directories under `root` (itself first) and the files in them, each with the
-        number of its links inside the tree; level by level, bounded in depth."""
+        number of its links inside the tree; level by level, bounded in depth. lock=True
+        holds each level's directories before reading their entries (a published tree:
+        nobody adds an entry to them until the transaction ends)."""
         dirs = [root]
         files: Counter[int] = Counter()
         level = [root]
         for _ in range(10_000):  # depth bound
             if not level:
                 break
+            if lock:
+                self._lock_inodes(c, level)
             below: list[int] = []
             for i in range(0, len(level), 500):
                 part = level[i : i + 500]
@@ -1114,9 +706,14 @@ class CheckpointMixin:
         inos = dirs + list(files)
         # Ranks whose references are still journalled: drop the entries (never applied).
         # The others' references were applied: take them back.
+        # Locked (PostgreSQL): a row another service is applying right now is waited for,
+        # and then gone (applied, so its ranks count as applied below), never both.
         pending: set[int] = set()
         for first, ranks in self._x(
-            c, "SELECT rank, ranks FROM ref_journal WHERE job = ? AND step = ?", (job, step)
+            c,
+            "SELECT rank, ranks FROM ref_journal WHERE job = ? AND step = ? ORDER BY id"
+            + self._for_update,
+            (job, step),
         ).fetchall():
             pending.add(int(first))
             pending.update(r for (r,) in RANK.iter_unpack(bytes(ranks)))
@@ -1161,6 +758,7 @@ class CheckpointMixin:
                 out[int(ino)] = (int(size), bytes(blob))
         return out
 
+    @retried
     def expire(self, now_ns: int | None = None) -> list[tuple[str, int]]:
         """Abort every open step past its deadline; returns the (job, step) aborted."""
         now = now_ns if now_ns is not None else _now()
@@ -1170,13 +768,17 @@ class CheckpointMixin:
             )
         if due is None:
             return []
+        done: list[tuple[str, int]] = []
         with self._ckpt_tx() as c:
             rows = self._x(
-                c,
-                "SELECT job, step, world_size FROM ckpt_steps WHERE state = ? AND deadline < ?",
-                (OPEN, now),
+                c, "SELECT job, step FROM ckpt_steps WHERE state = ? AND deadline < ?", (OPEN, now)
             ).fetchall()
-            for job, step, world in rows:
+            self._lock_steps(c, rows)
+            for job, step in rows:  # again, locked: another service may have ended it
+                state, world, *_, deadline = self._step(c, job, step)[:5]
+                if state != OPEN or deadline >= now:
+                    continue
+                done.append((job, step))
                 have = {
                     r[0]
                     for r in self._x(
@@ -1184,209 +786,11 @@ class CheckpointMixin:
                     ).fetchall()
                 }
                 missing = [r for r in range(world) if r not in have]
-                self._abort(c, job, step, f"deadline passed; missing ranks {_ranges(missing)}")
-        return [(r[0], r[1]) for r in rows]
-
-    # -- queries ---------------------------------------------------------------
-    def step_state(self, job: str, step: int) -> dict:
-        _check_job(job)
-        with self._ckpt_read() as c:
-            return self._brief(c, job, step)
-
-    def wait_published(self, job: str, step: int, timeout: float = 60.0) -> dict:
-        """Block until the step is published or aborted; ETIMEDOUT after `timeout` s."""
-        end = time.monotonic() + max(0.0, float(timeout))
-        delay = 0.005
-        while True:
-            info = self.step_state(job, step)
-            if info["state"] != "open":
-                return info
-            if time.monotonic() >= end:
-                raise MetaError(errno.ETIMEDOUT, f"{job} step {step} not published in {timeout}s")
-            if self.expire():
-                continue
-            time.sleep(min(delay, max(0.0, end - time.monotonic())))
-            delay = min(delay * 2, 0.1)
-
-    def latest(self, job: str) -> int | None:
-        _check_job(job)
-        with self._ckpt_read() as c:
-            row = self._one(
-                c,
-                "SELECT MAX(step) FROM ckpt_steps WHERE job = ? AND state = ?",
-                (job, PUBLISHED),
-            )
-        return None if row is None or row[0] is None else int(row[0])
-
-    def latest_durable(self, job: str) -> int | None:
-        """The newest published step whose every chunk is on the object nodes."""
-        _check_job(job)
-        self.apply_pending()  # chunk states of journalled chunks live in the journal
-        with self._ckpt_read() as c:
-            steps = self._x(
-                c,
-                "SELECT step FROM ckpt_steps WHERE job = ? AND state = ? ORDER BY step DESC "
-                "LIMIT 1000",
-                (job, PUBLISHED),
-            ).fetchall()
-            for (step,) in steps:
-                inos = self._step_inos(c, job, step)
-                ids: set[bytes] = set()
-                for ranks in inos.values():
-                    for blob in self._blobs(c, [ino for _, ino in ranks]).values():
-                        ids.update(blob_chunk_ids(blob))
-                if not self._any_staged(c, sorted(ids)):
-                    return int(step)
-        return None
-
-    def _any_staged(self, c: Any, ids: list[bytes]) -> bool:
-        for i in range(0, len(ids), 500):
-            part = ids[i : i + 500]
-            marks = ",".join("?" * len(part))
-            if self._one(
-                c,
-                f"SELECT 1 FROM chunks WHERE id IN ({marks}) AND state = {STAGED} LIMIT 1",
-                part,
-            ):
-                return True
-        return False
-
-    def _step_inos(self, c: Any, job: str, step: int) -> dict[int, list[tuple[bytes, int]]]:
-        """rank -> [(path, ino)] from the rank records (files in path order)."""
-        out: dict[int, list[tuple[bytes, int]]] = {}
-        for rank, inos, paths in self._x(
-            c,
-            "SELECT rank, inos, paths FROM ckpt_ranks WHERE job = ? AND step = ? ORDER BY rank",
-            (job, step),
-        ).fetchall():
-            nums = [i for (i,) in INO.iter_unpack(bytes(inos))]
-            names = bytes(paths).split(b"\0") if nums else []
-            out[int(rank)] = list(zip(names, nums, strict=True))
-        return out
-
-    def manifest_parts(self, job: str, step: int) -> tuple[dict, dict[int, list[dict]]]:
-        """A published step's header and its files grouped by rank (extents packed)."""
-        _check_job(job)
-        with self._ckpt_read() as c:
-            head = self._brief(c, job, step)
-            if head["state"] != "published":
-                raise MetaError(
-                    errno.EAGAIN, f"{job} step {step} is {head['state']}, not published"
-                )
-            files = self._step_inos(c, job, step)
-            by_ino = self._file_rows(c, [ino for fs in files.values() for _, ino in fs])
-        by_rank: dict[int, list[dict]] = {}
-        for rank, fs in files.items():
-            out = by_rank[rank] = []
-            for path, ino in fs:
-                hit = by_ino.get(ino)
-                if hit is not None:  # a file unlinked since publish drops out
-                    out.append(
-                        {"path": os.fsdecode(path), "size": hit[0], "rank": rank, "extents": hit[1]}
-                    )
-        return head, by_rank
-
-    def manifest(self, job: str, step: int, rank: int | None = None) -> dict:
-        """Every file of a published step (or one rank's) with packed extents."""
-        head, by_rank = self.manifest_parts(job, step)
-        if rank is None:
-            files = [f for r in sorted(by_rank) for f in by_rank[r]]
-        else:
-            files = by_rank.get(_check_int(rank, "rank"), [])
-        return {**head, "files": files}
-
-    def list_checkpoints(self, job: str | None = None) -> list[dict]:
-        with self._ckpt_read() as c:
-            where, args = ("WHERE s.job = ?", (job,)) if job is not None else ("", ())
-            rows = self._x(
-                c,
-                "SELECT s.job, s.step, s.state, s.world_size, s.created, s.published, s.path, "
-                "COUNT(r.rank), COALESCE(SUM(r.bytes), 0), COALESCE(SUM(r.files), 0) "
-                "FROM ckpt_steps s LEFT JOIN ckpt_ranks r ON r.job = s.job AND r.step = s.step "
-                f"{where} GROUP BY s.job, s.step, s.state, s.world_size, s.created, s.published, "
-                "s.path ORDER BY s.job, s.step",
-                args,
-            ).fetchall()
-        return [
-            {
-                "job": r[0],
-                "step": int(r[1]),
-                "state": STATE_NAMES[r[2]],
-                "world_size": int(r[3]),
-                "created": r[4] / 1e9,
-                "published": r[5] / 1e9 if r[5] else None,
-                "path": os.fsdecode(bytes(r[6])),
-                "committed": int(r[7]),
-                "bytes": int(r[8]),
-                "files": int(r[9]),
-            }
-            for r in rows
-        ]
-
-    def checkpoint_info(self, job: str, step: int) -> dict:
-        """State, size, dedup, and the per-rank timeline with stragglers flagged."""
-        _check_job(job)
-        with self._ckpt_read() as c:
-            state, world, _, path, deadline, reason, created, published = self._step(c, job, step)
-            rows = self._x(
-                c,
-                "SELECT rank, host, committed, bytes, new_bytes, files FROM ckpt_ranks "
-                "WHERE job = ? AND step = ? ORDER BY committed",
-                (job, step),
-            ).fetchall()
-        ranks = [
-            {
-                "rank": int(r[0]),
-                "host": r[1],
-                "commit_s": round((r[2] - created) / 1e9, 6),
-                "bytes": int(r[3]),
-                "new_bytes": int(r[4]),
-                "files": int(r[5]),
-                "straggler": False,
-            }
-            for r in rows
-        ]
-        stragglers = flag_stragglers(ranks)
-        have = {r["rank"] for r in ranks}
-        total = sum(r["bytes"] for r in ranks)
-        new = sum(r["new_bytes"] for r in ranks)
-        return {
-            "job": job,
-            "step": step,
-            "state": STATE_NAMES[state],
-            "reason": reason,
-            "path": os.fsdecode(bytes(path)),
-            "world_size": world,
-            "created": created / 1e9,
-            "deadline": deadline / 1e9,
-            "published": published / 1e9 if published else None,
-            "committed": len(ranks),
-            "missing": _ranges([r for r in range(world) if r not in have]),
-            "bytes": total,
-            "new_bytes": new,
-            "dedup_ratio": round(total / new, 4) if new else None,
-            "stragglers": stragglers,
-            "ranks": sorted(ranks, key=lambda r: r["rank"]),
-        }
+                self._abort(c, job, step, f"deadline passed; missing ranks {rank_ranges(missing)}")
+        return done
 
 
-def flag_stragglers(ranks: list[dict]) -> list[int]:
-    """Ranks that committed well after the typical rank: past median + max(1 s, 3 x MAD)."""
-    if len(ranks) < 2:
-        return []
-    times = sorted(r["commit_s"] for r in ranks)
-    med = times[len(times) // 2]
-    mad = sorted(abs(t - med) for t in times)[len(times) // 2]
-    limit = med + max(1.0, 3 * mad)
-    out = []
-    for r in ranks:
-        if r["commit_s"] > limit:
-            r["straggler"] = True
-            out.append(r["rank"])
-    return sorted(out)
-
-
-def _ranges(nums: list[int]) -> str:
+def rank_ranges(nums: list[int]) -> str:
     """[0,1,2,5] -> '0-2,5' (missing-rank lists stay short for big worlds)."""
     out: list[str] = []
     i = 0

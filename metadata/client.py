@@ -2,16 +2,29 @@
 
 Sync and thread-safe, for worker threads and DCP ranks. One TCP connection
 per client carries pipelined requests from any number of threads; an I/O
-thread owns reading and reconnecting. When the connection drops, it
-reconnects with exponential backoff and resends every unanswered request
-with its original idempotency key, so a commit retried across a service
-restart is applied once (the service dedups keys; checkpoint commits are
-also idempotent by content).
+thread owns reading and reconnecting.
 
-URL: `ckptfs://HOST:PORT[?token_file=PATH&retry=SECONDS&tls=1&ca=PATH]`. The
-token comes from, in order: the URL's `token_file=`, `CKPTFS_TOKEN`,
-`CKPTFS_TOKEN_FILE`. `tls=1` or `ca=PATH` speaks TLS to a service started
-with `--tls-cert` (see tls.py).
+Replicas and failover. A URL may list several service replicas (sharing one
+PostgreSQL database). The client talks to one at a time. When it cannot open
+a connection (refused, timed out, reset, or closed during the handshake) it
+goes on with the next replica; when an open connection breaks (reset, the
+service killed, TCP keepalive finding the host gone) it starts with the next
+replica after the one it lost. A round over every replica that finds none is
+followed by a jittered exponential backoff, and so on until the retry window
+(`retry=`, default 60 s) runs out for a request: the caller sees no error
+while any replica answers within it. After a reconnect every unanswered
+request is sent again with its original idempotency key, and the service
+applies it once whichever replica it reaches (the database keeps what makes it
+so: see metadata/requests.py). `failovers` counts the connections opened on
+another replica than the previous one, each logged in one line;
+`reconnects` every connection after the first.
+
+URL: `ckptfs://HOST:PORT[,HOST:PORT...][?token_file=PATH&retry=SECONDS&tls=1&ca=PATH]`
+(an IPv6 address in brackets: `[::1]:7410`). The token comes from, in order:
+the URL's `token_file=`, `CKPTFS_TOKEN`, `CKPTFS_TOKEN_FILE`. `tls=1` or
+`ca=PATH` speaks TLS to services started with `--tls-cert` (see tls.py); every
+replica's certificate must name the host it is listed as. A wrong token or a
+TLS mismatch is an error at once, not something to fail over from.
 Object-node settings come from the service (`get_config`), so address and
 token are all a client needs.
 """
@@ -19,6 +32,8 @@ token are all a client needs.
 from __future__ import annotations
 
 import errno
+import logging
+import math
 import os
 import random
 import socket
@@ -29,7 +44,7 @@ from concurrent.futures import Future
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from metadata.checkpoints import pack_files
+from metadata.ckptformat import pack_files
 from metadata.engine import MetaEngine, MetaError
 from metadata.protocol import (
     MAX_FRAME,
@@ -43,10 +58,30 @@ from metadata.protocol import (
 )
 from metadata.tls import TlsSocket, client_context, describe_tls_error
 
-CONNECT_TIMEOUT = 5.0
-DEFAULT_RETRY = 60.0
+log = logging.getLogger("ckptfs.meta")
+
+CONNECT_TIMEOUT = 5.0  # seconds to open one connection (TCP and handshake)
+DEFAULT_RETRY = 60.0  # seconds a request is retried, over every replica, before it fails
+MAX_RETRY = 600.0  # the most `retry=` may ask: services keep request ids far longer
+BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0  # pause after a round over the replicas found none
+KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, probes: a vanished host in ~11 s
+PERMANENT = (errno.EACCES, errno.EPROTO)  # refusals another replica would repeat
 CALL_TIMEOUT = 600.0
 SEND_SLICE = 256 << 10  # submit_many writes this much at a time
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive, so a connection whose host vanished (powered off, cut off the
+    network) breaks in seconds and the client fails over, instead of waiting forever
+    for an answer. The peer's kernel answers the probes: a busy service is not dead."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        idle, interval, count = KEEPALIVE
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+    except (OSError, AttributeError):  # a platform without these options
+        pass
 
 
 def _result_fix(method: str, value: Any) -> Any:
@@ -88,24 +123,68 @@ def _read_token(path: str) -> str:
         raise MetaError(errno.EACCES, f"cannot read token file {path}: {e.strerror}") from None
 
 
-def parse_url(spec: str) -> tuple[str, int, dict[str, list[str]]]:
-    parts = urlsplit(spec)
-    if parts.scheme != "ckptfs" or not parts.hostname or parts.port is None:
-        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: expected ckptfs://HOST:PORT")
-    return parts.hostname, parts.port, parse_qs(parts.query)
+_UNREACHABLE = "cannot reach the metadata service at "
+_USAGE = "expected ckptfs://HOST:PORT[,HOST:PORT...][?OPTIONS]"
+
+
+def parse_url(spec: str) -> tuple[list[tuple[str, int]], dict[str, list[str]]]:
+    """The replicas (host, port) of a service URL, in order, and its query options."""
+    if not isinstance(spec, str):
+        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {_USAGE}")
+    try:
+        parts = urlsplit(spec)
+        params = parse_qs(parts.query)
+    except ValueError as e:
+        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {e} ({_USAGE})") from None
+    if parts.scheme != "ckptfs":
+        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {_USAGE}")
+    if "@" in parts.netloc or parts.path not in ("", "/") or parts.fragment:
+        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {_USAGE} (no user, path or #)")
+    replicas = [_host_port(spec, item) for item in parts.netloc.split(",")]
+    if len(set(replicas)) != len(replicas):
+        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: a replica is listed twice")
+    return replicas, params
+
+
+def _host_port(spec: str, item: str) -> tuple[str, int]:
+    """One `HOST:PORT` (or `[IPV6]:PORT`) of a URL's replica list."""
+    if item.startswith("["):
+        host, sep, port = item[1:].partition("]:")
+    else:
+        host, sep, port = item.rpartition(":")
+        if ":" in host:
+            sep = ""  # an IPv6 address without brackets: its port cannot be told apart
+    if not sep or not host or not port.isascii() or not port.isdigit():
+        what = f"replica {item!r}" if item else "an empty replica"
+        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {what}: {_USAGE}")
+    if not 0 < int(port) < 65536:
+        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: port {port} out of range")
+    return host, int(port)
+
+
+def check_retry(value: Any) -> float:
+    """A retry window in seconds: a number in [0, MAX_RETRY] (0: one round, no waiting)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = math.nan
+    if isinstance(value, bool) or not 0 <= v <= MAX_RETRY:
+        raise MetaError(
+            errno.EINVAL,
+            f"retry must be a number of seconds in [0, {MAX_RETRY:.0f}], not {value!r}",
+        )
+    return v
 
 
 def connect(spec: str, **kw: Any) -> RemoteEngine:
-    """A client for a `ckptfs://HOST:PORT` URL; fails fast if the service is unreachable."""
-    try:
-        host, port, params = parse_url(spec)
-    except ValueError as e:
-        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {e}") from None
+    """A client for a `ckptfs://HOST:PORT[,HOST:PORT...]` URL: the first replica that
+    answers, tried in order (and over again, with backoff) for the retry window."""
+    replicas, params = parse_url(spec)
     token = kw.pop("token", None) or resolve_token(params)
     if "retry" in params:
-        kw.setdefault("retry_for", float(params["retry"][0]))
+        kw.setdefault("retry_for", check_retry(params["retry"][0]))
     kw.setdefault("tls", client_context(params))
-    return RemoteEngine(host, port, token, **kw)
+    return RemoteEngine(replicas, token, **kw)
 
 
 class RemoteEngine(MetaEngine):
@@ -113,18 +192,22 @@ class RemoteEngine(MetaEngine):
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        replicas: list[tuple[str, int]],
         token: str,
         *,
         retry_for: float = DEFAULT_RETRY,
         max_frame: int = MAX_FRAME,
         tls: ssl.SSLContext | None = None,
     ) -> None:
-        self.host, self.port = host, port
+        if not replicas or not all(
+            isinstance(h, str) and h and isinstance(p, int) for h, p in replicas
+        ):
+            raise MetaError(errno.EINVAL, f"replicas must be (host, port) pairs, not {replicas!r}")
+        self.replicas = list(replicas)
+        self._at = 0  # the replica of the current (or last) connection
         self.tls = tls
         self._token = token
-        self.retry_for = retry_for
+        self.retry_for = check_retry(retry_for)
         self.max_frame = max_frame
         self._lock = threading.Lock()  # pending map and connection state
         self._send_lock = threading.Lock()  # socket writes, resends
@@ -134,29 +217,103 @@ class RemoteEngine(MetaEngine):
         self._closed = False
         self._fatal: MetaError | None = None
         self.reconnects = 0
-        sock = self._open(CONNECT_TIMEOUT)  # fail fast on a wrong address or token
+        self.failovers = 0
+        # A wrong token fails at once; no replica answering, after the retry window.
+        sock = self._connect(time.monotonic() + self.retry_for)
         self._sock = sock
         self._io = threading.Thread(target=self._io_loop, args=(sock,), daemon=True)
         self._io.start()
 
     # -- connection ----------------------------------------------------------------
-    def _open(self, timeout: float) -> socket.socket | TlsSocket:
+    @property
+    def host(self) -> str:
+        return self.replicas[self._at][0]
+
+    @property
+    def port(self) -> int:
+        return self.replicas[self._at][1]
+
+    def _where(self, i: int) -> str:
+        host, port = self.replicas[i]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _connect(
+        self,
+        deadline: float | None,
+        start: int = 0,
+        came_from: int = 0,
+        why: str = "",
+        on_round: Any = None,
+    ) -> socket.socket | TlsSocket:
+        """A connection to the first replica that answers, trying them in list order from
+        `start`, round and round; after each round that found none, `on_round(error)` and
+        a jittered backoff, until `deadline` (None: until the client is closed).
+
+        A connection on another replica than `came_from` (the one just lost, or the first
+        listed) is a failover: counted, and logged in one line with `why` (or the error
+        `came_from` gave)."""
+        delay = BACKOFF_MIN
+        n = len(self.replicas)
+        while True:
+            errors: dict[int, str] = {}
+            for k in range(n):
+                i = (start + k) % n
+                if self._closed:
+                    raise MetaError(errno.EBADF, "client closed")
+                try:
+                    sock = self._open(i, CONNECT_TIMEOUT)
+                except MetaError as e:
+                    if e.errno in PERMANENT:
+                        raise
+                    errors[i] = str(e)
+                    continue
+                self._at = i
+                if i != came_from:
+                    self.failovers += 1
+                    reason = why or errors.get(came_from, "unreachable")
+                    log.warning(
+                        "ckptfs meta: %s: %s; failed over to %s",
+                        self._where(came_from), reason, self._where(i),
+                    )  # fmt: skip
+                return sock
+            if n == 1:
+                msg = errors[start]
+            else:
+                each = "; ".join(e.removeprefix(_UNREACHABLE) for e in errors.values())
+                msg = f"no replica of the metadata service answers ({each})"
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                tried = f" (tried for {self.retry_for:g} s)" if self.retry_for else ""
+                raise MetaError(errno.ECONNREFUSED, msg + tried)
+            err = MetaError(errno.ECONNREFUSED, msg)
+            if deadline is not None and delay == BACKOFF_MIN:  # a new client, first round
+                log.warning(
+                    "ckptfs meta: %s; retrying for up to %g s (retry= in the URL)",
+                    msg, self.retry_for,
+                )  # fmt: skip
+            if on_round is not None:
+                on_round(err)
+            pause = delay * (0.5 + random.random())
+            time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
+            delay = min(delay * 2, BACKOFF_MAX)
+
+    def _open(self, i: int, timeout: float) -> socket.socket | TlsSocket:
+        """One connection to replica `i`, handshake done."""
+        host, port = self.replicas[i]
         try:
             sock: socket.socket | TlsSocket = socket.create_connection(
-                (self.host, self.port), timeout=timeout
+                (host, port), timeout=timeout
             )
         except OSError as e:
-            raise MetaError(
-                errno.ECONNREFUSED,
-                f"cannot reach the metadata service at {self.host}:{self.port}: {e}",
-            ) from None
+            raise MetaError(errno.ECONNREFUSED, f"{_UNREACHABLE}{self._where(i)}: {e}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
             if self.tls is not None:
                 try:
-                    sock = TlsSocket(sock, self.tls, self.host, timeout)
+                    sock = TlsSocket(sock, self.tls, host, timeout)
                 except ssl.SSLError as e:
-                    raise describe_tls_error(self.host, self.port, e) from None
+                    raise describe_tls_error(host, port, e) from None
             sock.sendall(encode_frame({"proto": PROTO_VERSION, "token": self._token}))
             dec = FrameDecoder(self.max_frame)
             frames: list[bytes | memoryview] = []
@@ -182,30 +339,24 @@ class RemoteEngine(MetaEngine):
             raise
         except (OSError, ProtocolError) as e:
             sock.close()
-            raise MetaError(
-                errno.ECONNRESET, f"handshake with {self.host}:{self.port}: {e}"
-            ) from None
+            raise MetaError(errno.ECONNRESET, f"handshake with {self._where(i)}: {e}") from None
 
     def _io_loop(self, sock: socket.socket | TlsSocket) -> None:
-        """Read responses; on a broken connection reconnect and resend what is pending."""
-        delay = 0.05
-        down_since: float | None = None
+        """Read responses; on a broken connection reconnect (the next replica first) and
+        resend what is pending."""
         resender: threading.Thread | None = None
+        lost = ""
         while not self._closed:
             if sock is None:
+                gone = self._at  # tried last: the next replica first
                 try:
-                    sock = self._open(CONNECT_TIMEOUT)
+                    sock = self._connect(
+                        None, (gone + 1) % len(self.replicas), gone, lost, self._expire_all
+                    )
                 except MetaError as e:
-                    now = time.monotonic()
-                    down_since = down_since or now
-                    if e.errno == errno.EACCES or e.errno == errno.EPROTO:
+                    if e.errno in PERMANENT:
                         self._fail_all(e, permanent=True)
-                        return
-                    self._expire_pending(now, e)
-                    time.sleep(delay * (0.5 + random.random()))
-                    delay = min(delay * 2, 2.0)
-                    continue
-                delay, down_since = 0.05, None
+                    return  # closed, or refused for good
                 self.reconnects += 1
                 resender = threading.Thread(
                     target=self._resend, args=(sock,), name="ckptfs-meta-resend", daemon=True
@@ -213,8 +364,9 @@ class RemoteEngine(MetaEngine):
                 resender.start()
             try:
                 self._read(sock)
-            except (OSError, ProtocolError):
-                pass
+                lost = "the service closed the connection"
+            except (OSError, ProtocolError) as e:
+                lost = f"connection lost: {e}"
             try:  # wakes a resend blocked in sendall on this connection
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -260,17 +412,25 @@ class RemoteEngine(MetaEngine):
                 rid, code, payload = msg
                 if rid == 0:  # the service rejected our stream
                     raise ProtocolError(f"service: {payload}")
-                with self._lock:
-                    p = self._pending.pop(rid, None)
-                if p is None or p.future.done():
-                    continue
-                if code:
-                    p.future.set_exception(MetaError(code, str(payload)))
-                else:
-                    try:
-                        p.future.set_result(_result_fix(p.method, payload))
-                    except Exception as e:  # noqa: BLE001 - deliver, don't kill the reader
-                        p.future.set_exception(e)
+                self._on_answer(rid, code, payload)
+
+    def _on_answer(self, rid: int, code: int, payload: Any) -> None:
+        """Hand the answer of request `rid` to its caller. (Tests override this to lose an
+        answer: raising OSError here breaks the connection with the request pending.)"""
+        with self._lock:
+            p = self._pending.pop(rid, None)
+        if p is None or p.future.done():
+            return
+        if code:
+            p.future.set_exception(MetaError(code, str(payload)))
+        else:
+            try:
+                p.future.set_result(_result_fix(p.method, payload))
+            except Exception as e:  # noqa: BLE001 - deliver, don't kill the reader
+                p.future.set_exception(e)
+
+    def _expire_all(self, cause: MetaError) -> None:
+        self._expire_pending(time.monotonic(), cause)
 
     def _expire_pending(self, now: float, cause: MetaError) -> None:
         with self._lock:

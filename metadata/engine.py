@@ -19,7 +19,7 @@ import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from chunkstore.ids import chunk_id
+import xxhash
 
 ROOT_INO = 1
 NAME_MAX = 255
@@ -204,6 +204,16 @@ def check_blob(value: object, what: str) -> bytes:
     return value
 
 
+def inline_chunk_id(data: bytes, seed: int) -> bytes:
+    """The chunk id of inline bytes, to check them against the id they claim.
+
+    The id is a format fact of the volume (DESIGN.md invariant 1: xxh3-128 of the raw
+    bytes, seeded with the volume's secret), which the data plane (chunkstore.ids) and
+    this check implement side by side, as two readers of one file format do: metadata
+    and chunkstore do not import each other. tests/test_postgres.py holds them equal."""
+    return xxhash.xxh3_128_digest(data, seed=seed)
+
+
 MAX_CHUNK_BYTES = 1 << 40  # raw or stored length of one chunk: far past any chunker's
 
 
@@ -239,7 +249,7 @@ def check_new_chunks(chunks: list[NewChunk], seed: int | None = None) -> None:
                     f"inline chunk {ch.chunk_id.hex()}: {n} bytes for a raw length of "
                     f"{ch.raw_len} (at most {INLINE_DATA_MAX})",
                 )
-            if seed is not None and chunk_id(ch.data, seed) != ch.chunk_id:
+            if seed is not None and inline_chunk_id(ch.data, seed) != ch.chunk_id:
                 raise MetaError(
                     errno.EINVAL, f"inline chunk {ch.chunk_id.hex()}: its bytes do not match its id"
                 )
@@ -429,6 +439,11 @@ class MetaEngine(ABC):
     def sync(self) -> None:
         """Make every commit so far survive a power cut, not only a killed process (a
         file's fsync on the mount: commits are otherwise lazily synced)."""
+
+    def claim_service(self) -> None:  # noqa: B027 - optional
+        """Called by a service before it serves this engine: refuse (MetaError) if this
+        engine cannot be shared with another service (an embedded SQLite volume runs
+        one). Shared databases (PostgreSQL) claim nothing."""
 
     def close(self) -> None:  # noqa: B027 - optional
         pass

@@ -13,8 +13,9 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from metadata.checkpoints import blob_chunk_ids
+from metadata.ckptformat import blob_chunk_ids
 from metadata.engine import ChunkRow, check_new_chunks
+from metadata.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
 
 
 class MaintenanceMixin:
@@ -30,6 +31,10 @@ class MaintenanceMixin:
     def _ensure_ur(self, c: Any) -> None:
         if self._ur_ready:
             return
+        if self._has(c, "under_replicated", "*"):  # type: ignore[attr-defined]
+            self._ur_ready = True  # no DDL, and no lock to wait for
+            return
+        self._lock_named(c, SCHEMA_LOCK)  # type: ignore[attr-defined]
         self._x(  # type: ignore[attr-defined]
             c,
             "CREATE TABLE IF NOT EXISTS under_replicated (chunk "
@@ -54,6 +59,7 @@ class MaintenanceMixin:
             ).fetchall()
         return {bytes(r[0]): ChunkRow(r[1], r[2], r[3], r[4], r[5]) for r in rows}
 
+    @retried
     def true_refcounts(self) -> dict[bytes, int]:
         """References recomputed from the extents (the truth refcounts must match).
 
@@ -61,17 +67,20 @@ class MaintenanceMixin:
         the counts compare like with like."""
         out: Counter[bytes] = Counter()
         with self._tx() as c:  # type: ignore[attr-defined]
+            self._lock_named(c, CHUNK_GATE)  # type: ignore[attr-defined]  # no commit in flight
             self._settle(c)  # type: ignore[attr-defined]
             for _, ids in self._referenced(c):
                 out.update(ids)
         return dict(out)
 
+    @retried
     def fix_refcounts(self, counts: dict[bytes, int]) -> int:
         """Set refcounts to recomputed values (touching them, so gc waits a grace period)."""
         if not counts:
             return 0
         now = time.time_ns()
         with self._tx() as c:  # type: ignore[attr-defined]
+            self._lock_named(c, CHUNK_GATE)  # type: ignore[attr-defined]  # no commit in flight
             c.executemany(
                 self._q("UPDATE chunks SET refcount = ?, touched = ? WHERE id = ?"),  # type: ignore[attr-defined]
                 [(n, now, cid) for cid, n in counts.items()],
@@ -104,6 +113,7 @@ class MaintenanceMixin:
                 names.append(bytes(row[1]).decode(errors="replace"))
         return None
 
+    @retried
     def gc_chunk_rows(self, grace_s: float, limit: int = 100_000) -> list[tuple[bytes, int]]:
         """Delete unreferenced chunk rows untouched for `grace_s`; return (id, stored_len).
 
@@ -115,6 +125,7 @@ class MaintenanceMixin:
         cutoff = time.time_ns() - int(grace_s * 1e9)
         cond = "refcount <= 0 AND touched < ?"
         with self._tx() as c:  # type: ignore[attr-defined]
+            self._lock_named(c, CHUNK_GATE)  # type: ignore[attr-defined]  # no commit in flight
             # Committed-but-unapplied references count: apply them in this transaction.
             self._settle(c)  # type: ignore[attr-defined]
             rows = self._x(  # type: ignore[attr-defined]
@@ -162,6 +173,7 @@ class MaintenanceMixin:
         return found
 
     # -- under-replicated chunks ------------------------------------------------
+    @retried
     def record_under_replicated(self, cid: bytes, nodes: list[str]) -> None:
         """A degraded write left `cid` without its replica on these placement nodes."""
         now = time.time_ns()
@@ -175,6 +187,7 @@ class MaintenanceMixin:
                 [(cid, n, now) for n in nodes],
             )
 
+    @retried
     def under_replicated(self) -> dict[bytes, set[str]]:
         with self._tx() as c:  # type: ignore[attr-defined]
             self._ensure_ur(c)
@@ -184,6 +197,7 @@ class MaintenanceMixin:
             out.setdefault(bytes(chunk), set()).add(node)
         return out
 
+    @retried
     def clear_under_replicated(self, pairs: list[tuple[bytes, str]]) -> None:
         if not pairs:
             return
@@ -195,9 +209,11 @@ class MaintenanceMixin:
             )
 
     # -- repairs ---------------------------------------------------------------
+    @retried
     def drop_chunk_rows(self, ids: list[bytes]) -> int:
         """Delete these chunk rows if still unreferenced (fsck: a lost, unused chunk)."""
         with self._tx() as c:  # type: ignore[attr-defined]
+            self._lock_named(c, CHUNK_GATE)  # type: ignore[attr-defined]  # no commit in flight
             self._settle(c)  # type: ignore[attr-defined]
             used = {cid for _, refs in self._referenced(c) for cid in refs}
             before = self._x(c, "SELECT COUNT(*) FROM chunks").fetchone()[0]  # type: ignore[attr-defined]
@@ -210,11 +226,13 @@ class MaintenanceMixin:
             self._drop_inline(c, gone)
         return int(before - after)
 
+    @retried
     def register_chunk_rows(self, chunks: list, refcounts: dict[bytes, int]) -> None:
         """Re-create rows for chunks found on nodes but missing from the table (fsck)."""
         check_new_chunks(chunks, self._chunk_seed())  # type: ignore[attr-defined]
         now = time.time_ns()
         with self._tx() as c:  # type: ignore[attr-defined]
+            self._lock_named(c, CHUNK_GATE)  # type: ignore[attr-defined]  # no commit in flight
             self._settle(c)  # type: ignore[attr-defined]
             self._register_chunks(c, chunks, now)  # type: ignore[attr-defined]
             c.executemany(

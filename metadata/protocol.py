@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from metadata.checkpoints import WireFile
+from metadata.ckptformat import WireFile
 from metadata.engine import Attr, ChunkRow, DirEntry, Extent, NewChunk, VolumeStats
 
 PROTO_VERSION = 3  # 2: Attr.alloc; 3: NewChunk.data (inline chunks)

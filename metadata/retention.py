@@ -17,8 +17,10 @@ import errno
 import json
 from typing import Any
 
-from metadata.checkpoints import ABORTED, DELETED, OPEN, PUBLISHED, _check_int, _check_job
+from metadata.checkpoints import ABORTED, DELETED, OPEN, PUBLISHED
+from metadata.ckptcheck import check_int, check_job
 from metadata.engine import MetaError
+from metadata.txlocks import retried
 
 _POLICY_KEY = "retention:"
 
@@ -34,13 +36,17 @@ class RetentionMixin:
     _touch_dir: Any
     _release_extents: Any
     _subtree: Any
+    _lock_steps: Any
+    _lock_inodes: Any
 
     # -- deleting ------------------------------------------------------------
+    @retried
     def delete_checkpoint(self, job: str, step: int) -> dict:
         """Delete a published step (idempotent for an already deleted or aborted one)."""
-        _check_job(job)
-        _check_int(step, "step")
+        check_job(job)
+        check_int(step, "step")
         with self._ckpt_tx() as c:
+            self._lock_steps(c, [(job, step)])
             state, _, root, path = self._step(c, job, step)[:4]
             if state == OPEN:
                 raise MetaError(errno.EBUSY, f"{job} step {step} is open: abort it instead")
@@ -60,11 +66,26 @@ class RetentionMixin:
             }
 
     def _delete_tree(self, c: Any, root: int) -> int:
-        links = self._one(c, "SELECT parent FROM dentries WHERE ino = ? LIMIT 1", (root,))
-        if links is None:
-            return 0  # already removed through the namespace (rm -r on the mount)
-        parent = int(links[0])
-        dirs, files = self._subtree(c, root)  # files: inode -> links to it inside the tree
+        """Unlink a published step's tree and drop what has no link left outside it.
+
+        Locks (PostgreSQL; see postgres.py), parents first: the directory holding the
+        tree (found again once held: a rename may have moved the tree meanwhile), then
+        the tree's directories level by level before their entries are read (so no entry
+        is made in one behind our back), then its files (a link made to one meanwhile is
+        counted)."""
+        parent = None
+        for _ in range(1000):
+            links = self._one(c, "SELECT parent FROM dentries WHERE ino = ? LIMIT 1", (root,))
+            if links is None:
+                return 0  # already removed through the namespace (rm -r on the mount)
+            if int(links[0]) == parent:
+                break
+            parent = int(links[0])
+            self._lock_inodes(c, (parent,))
+        else:
+            raise MetaError(errno.EAGAIN, f"the tree of inode {root} keeps moving; retry")
+        dirs, files = self._subtree(c, root, lock=True)  # files: inode -> links in the tree
+        self._lock_inodes(c, files)
         self._x(c, "DELETE FROM dentries WHERE ino = ? AND parent = ?", (root, parent))
         self._touch_dir(c, parent, -1)
         freed = 0
@@ -88,8 +109,8 @@ class RetentionMixin:
     # -- keep-last ---------------------------------------------------------
     def retain(self, job: str, keep_last: int) -> list[int]:
         """Delete all published steps of a job but the newest `keep_last`; returns them."""
-        _check_job(job)
-        keep = _check_int(keep_last, "keep_last", lo=1)
+        check_job(job)
+        keep = check_int(keep_last, "keep_last", lo=1)
         with self._ckpt_read() as c:
             steps = [
                 int(r[0])
@@ -104,22 +125,25 @@ class RetentionMixin:
             self.delete_checkpoint(job, step)
         return doomed
 
+    @retried
     def set_retention(self, job: str, keep_last: int | None) -> None:
         """Keep only the newest `keep_last` published steps of `job` (None: keep all)."""
-        _check_job(job)
+        check_job(job)
         key = _POLICY_KEY + job
+        keep = None if keep_last is None else check_int(keep_last, "keep_last", lo=1)
         with self._ckpt_tx() as c:
-            self._x(c, "DELETE FROM config WHERE key = ?", (key,))
-            if keep_last is not None:
-                keep = _check_int(keep_last, "keep_last", lo=1)
+            if keep is None:
+                self._x(c, "DELETE FROM config WHERE key = ?", (key,))
+            else:  # an upsert: two services setting it at once both succeed
                 self._x(
                     c,
-                    "INSERT INTO config (key, value) VALUES (?, ?)",
+                    "INSERT INTO config (key, value) VALUES (?, ?) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                     (key, json.dumps({"keep_last": keep})),
                 )
 
     def get_retention(self, job: str) -> int | None:
-        _check_job(job)
+        check_job(job)
         with self._ckpt_read() as c:
             row = self._one(c, "SELECT value FROM config WHERE key = ?", (_POLICY_KEY + job,))
         return None if row is None else int(json.loads(row[0])["keep_last"])

@@ -21,9 +21,14 @@ of ranks send them at the same moment:
 - plain reads (latest, lookup, getattr, ...): queued to one thread that runs
   everything waiting as a batch, identical calls once (see readbatch.py).
 
-Mutating requests carry idempotency keys; a retry of a key answers with the
-first outcome (within this process's lifetime; checkpoint calls are also
-idempotent by content, which survives a restart).
+Mutating requests carry idempotency keys, and a retry may reach another
+replica or this one restarted: what makes it apply once lives in the
+database. Requests whose second run would answer differently (create, unlink,
+rename, commit_file, ...) record their key and answer in their own
+transaction (requests.py); checkpoint commits are idempotent by content (the
+rank's digest, written with its files); the rest are idempotent as they are.
+A retry that arrives here while the first attempt still runs here waits for
+its outcome (the in-memory key table, a fast path only).
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from typing import Any
 import msgspec
 import trio
 
-from metadata.checkpoints import file_fields, pack_files
+from metadata.ckptformat import file_fields, pack_files
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
@@ -64,6 +69,8 @@ from metadata.protocol import (
     parse_request,
 )
 from metadata.readbatch import ReadBatcher
+from metadata.requests import ONCE_METHODS
+from metadata.servicestats import ServiceStats
 
 log = logging.getLogger("ckptfs.meta")
 
@@ -76,6 +83,7 @@ IDEM_KEEP = 200_000
 MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
+PRUNE_EVERY = 60.0  # seconds between deletions of request ids past requests.REQUEST_KEEP_S
 GC_GEN0 = 50_000  # allocations between young-generation collections (default 700)
 SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits
 # Reads answered in batches by one thread (readbatch.py); the others are special-cased.
@@ -148,8 +156,9 @@ class _Conn:
     queued, not written: a client that resends many requests before it reads again (after
     a reconnect) must not wait for the service while the service waits for it."""
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    def __init__(self, stream: trio.abc.Stream, counters: ServiceStats | None = None) -> None:
         self.stream = stream
+        self.counters = counters
         self.out: list[bytes] = []
         self.out_bytes = 0
         self.wake = trio.Event()
@@ -175,6 +184,8 @@ class _Conn:
         """Answer request `rid` from an outcome (result or error); frees its in-flight slot."""
         result, error = (outcome.result, outcome.error) if isinstance(outcome, _Slot) else outcome
         self.inflight -= 1
+        if self.counters is not None:
+            self.counters.reply(method, error)
         try:
             if error is None:
                 body = encode_answer(rid, result)
@@ -250,6 +261,7 @@ class MetaService:
         max_frame: int = MAX_FRAME,
         threads: int = 8,
     ) -> None:
+        engine.claim_service()  # a SQLite volume: refused if another service runs on it
         self.engine = engine
         self._token = token.encode()
         self.base_dir = base_dir
@@ -270,6 +282,7 @@ class MetaService:
         self.connections = 0
         self._hello_waits: OrderedDict[object, trio.CancelScope] = OrderedDict()
         self.stats = {"requests": 0, "inline": 0, "bad_clients": 0, "hello_evictions": 0}
+        self.counters = ServiceStats()  # replies, latencies, batches, steps (for metrics)
 
     # -- lifecycle -------------------------------------------------------------
     async def serve(
@@ -412,7 +425,7 @@ class MetaService:
             )
             return
         await stream.send_all(encode_frame({"ok": True, "proto": PROTO_VERSION}))
-        conn = _Conn(stream)
+        conn = _Conn(stream, self.counters)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(conn.writer)
@@ -464,6 +477,8 @@ class MetaService:
                 return
             if method == "commit_rank":
                 item = _commit_args(*args, **kwargs)
+                started = self.counters.commit_arrived(item[0], item[1])
+                slot.add(lambda _s: self.counters.commit_answered(started))
                 self._group.submit(item, slot)
                 return
             if method == "manifest":
@@ -485,7 +500,7 @@ class MetaService:
         self, method: str, args: list, kwargs: dict, key: bytes | None, slot: _Slot
     ) -> None:
         try:
-            result = await self._dispatch(method, args, kwargs)
+            result = await self._dispatch(method, args, kwargs, key)
         except (MetaError, TypeError, ValueError) as e:
             slot.set(error=e)
         except Exception as e:
@@ -501,14 +516,27 @@ class MetaService:
         else:
             slot.set(result)
 
-    async def _dispatch(self, method: str, args: list, kwargs: dict) -> Any:
+    async def _dispatch(
+        self, method: str, args: list, kwargs: dict, key: bytes | None = None
+    ) -> Any:
         if method == "get_config":
             return await self._get_config(*args, **kwargs)
         if method == "manifest":
             return await self._manifest(*args, **kwargs)
         if method == "wait_published":
             return await self._wait_published(*args, **kwargs)
-        result = await self._run(getattr(self.engine, method), *args, **kwargs)
+        run_once = getattr(self.engine, "run_once", None)
+        if key is not None and method in ONCE_METHODS and run_once is not None:
+            # applied once whichever replica a retry reaches: the key and the answer are
+            # written in the request's own transaction (requests.py)
+            result = await self._run(run_once, key, method, args, kwargs)
+        else:
+            result = await self._run(getattr(self.engine, method), *args, **kwargs)
+        if method == "abort":
+            self.counters.step_state(result["job"], result["step"], result["state"])
+        elif method == "expire":
+            for job, step in result or ():
+                self.counters.step_state(job, step, "aborted")
         if method in ("abort", "expire", "begin"):
             self._notify()
         if method in ("delete_checkpoint", "retain", "apply_retention"):
@@ -529,11 +557,13 @@ class MetaService:
         """A written group commit (on the loop): answers, terminal states, manifests."""
         changed = False
         encoded: dict[int, msgspec.Raw] = {}  # ranks of a step share one answer object
+        self.counters.batch(len(batch))
         for (item, slot), res in zip(batch, results, strict=True):
             if isinstance(res, MetaError):
                 slot.set(error=res)
             else:
                 key = (res["job"], res["step"])
+                self.counters.step_state(res["job"], res["step"], res["state"])
                 self._remember_files(key, item, res)
                 if res["state"] != "open" and key not in self._terminal:
                     self._terminal[key] = res
@@ -560,13 +590,24 @@ class MetaService:
             self._step_files[key][item[2]] = item[3]
 
     async def _expirer(self) -> None:
+        pruned = trio.current_time()
         while True:
             await trio.sleep(EXPIRE_EVERY)
             try:
-                if await self._run(self.engine.expire):
+                expired = await self._run(self.engine.expire)
+                for job, step in expired or ():
+                    self.counters.step_state(job, step, "aborted")
+                if expired:
                     self._notify()
             except Exception:
                 log.exception("deadline check failed")
+            prune = getattr(self.engine, "prune_requests", None)
+            if prune is not None and trio.current_time() - pruned >= PRUNE_EVERY:
+                pruned = trio.current_time()
+                try:
+                    await self._run(prune)
+                except Exception:
+                    log.exception("forgetting old request ids failed")
 
     # -- waiting -------------------------------------------------------------------
     async def _wait_published(

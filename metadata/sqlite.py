@@ -13,15 +13,18 @@ next ordinary write (in the service, the idle journal apply) does it.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import functools
 import logging
 import os
 import sqlite3
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from chunkstore.fileio import fsync_dir, start_writeback
-from metadata.engine import MetaBusy, MetaEngine
+from metadata.engine import MetaBusy, MetaEngine, MetaError
 from metadata.sqlbase import SqlEngine
 
 log = logging.getLogger("ckptfs.sqlite")
@@ -77,6 +80,38 @@ WAL_AUTOCHECKPOINT = 1000  # pages: SQLite's default, for ordinary transactions
 WAL_DEFER_MAX = 512 << 20  # a durable commit defers the WAL copy up to this WAL size
 WAL_KEEP = 64 << 20  # `wal_checkpoint` cuts a WAL it starts over back to this size
 CHECKPOINT_WAIT = 0.02  # seconds `wal_checkpoint` may wait for readers (writers wait meanwhile)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_file_range_fn() -> Callable[..., int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range_fn()
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the WAL's dirty pages (Linux sync_file_range(SYNC_FILE_RANGE_WRITE),
+    no wait), so the publish's fsync finds little left; a no-op where libc lacks it.
+
+    These two small file helpers are written here, not imported from chunkstore.fileio
+    (which has the same pair for staged chunks): metadata and chunkstore do not import
+    each other (DESIGN.md, "Layers")."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, 0, 0, 2)  # 2: SYNC_FILE_RANGE_WRITE
 
 
 def _no_others(path: str) -> None:
@@ -170,7 +205,7 @@ class SqliteEngine(SqlEngine):
 
     def _start_writeback(self) -> None:
         with self._lock:
-            self._on_wal(start_writeback)
+            self._on_wal(_start_writeback)
 
     housekeeping_interval = 0.5  # WAL_CHECK: how often a mount looks at the WAL
 
@@ -250,7 +285,7 @@ class SqliteEngine(SqlEngine):
         os.fsync(fd)
         ino = os.fstat(fd).st_ino
         if ino != self._wal_named:
-            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
             self._wal_named = ino
 
     def _on_wal(self, fn) -> None:
@@ -265,9 +300,61 @@ class SqliteEngine(SqlEngine):
         finally:
             os.close(fd)
 
+    _service_fd: int | None = None
+
+    def claim_service(self) -> None:
+        """Be the one service of this volume, or refuse with a clear error (EBUSY).
+
+        Replicas share a namespace through a database server's locks; an embedded SQLite
+        file has none to share across hosts, and two services on it would each keep
+        their own view of what is being committed. The service holds an exclusive flock
+        on a file beside the database while it runs: the kernel drops it when the
+        process exits, however it exits (SIGKILL included), so a crash never leaves a
+        stale lock. The file says which process holds it, for the message."""
+        lock = self.path + ".service.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o660)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise MetaError(
+                errno.EBUSY,
+                f"{os.path.dirname(os.path.abspath(self.path))} is already served by "
+                f"`ckptfs meta serve` (pid {holder}): a SQLite volume runs one service; "
+                "run replicas on PostgreSQL (`ckptfs format --db postgresql://...`)",
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._service_fd = fd
+
+    # -- dump (metadata/dumpsql.py) --------------------------------------------------
+    def _snapshot_open(self) -> tuple[Any, str]:
+        """A connection of its own in a read transaction: WAL keeps its view while
+        writers go on (they never wait for it; only the WAL's truncation does)."""
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute("BEGIN")
+        conn.execute("SELECT COUNT(*) FROM config").fetchone()  # the snapshot starts here
+        return conn, "sqlite"
+
+    def _snapshot_has(self, conn: Any, table: str) -> bool:
+        q = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+        return conn.execute(q, (table,)).fetchone() is not None
+
+    def _snapshot_rows(self, conn: Any, sql: str, batch: int) -> Any:
+        cur = conn.execute(sql)
+        while rows := cur.fetchmany(batch):
+            yield rows
+
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+            if self._service_fd is not None:  # closing the file lets go of the flock
+                os.close(self._service_fd)
+                self._service_fd = None
 
 
 def _mtime_ns(path: str) -> int:

@@ -19,6 +19,7 @@ pytest_plugins: list[str] = [
     "tests.fixtures.postgres",
     "tests.fixtures.service",
     "tests.fixtures.mount",
+    "tests.fixtures.fsspec_entry",
 ]
 
 

@@ -23,6 +23,9 @@ def vol(request, tmp_path):
     v.close()
 
 
+BIG_BATCH = 16  # ranks: a group commit of many, checked together
+
+
 def _cid(tag: bytes) -> bytes:
     return tag.ljust(16, b".")[:16]
 
@@ -281,10 +284,8 @@ def _spoilt(cids: list[bytes], how: str = "") -> tuple[int, bytes, bytes]:
 def test_vectorized_batch_checks_refuse_exactly_the_bad_ranks(vol):
     """A big group commit checks extents and chunk records for all ranks at once; each bad
     rank gets the same error as alone, and the good ones commit."""
-    from metadata.checkpoints import BATCH_CHECK_MIN
-
     m = vol.meta
-    n = BATCH_CHECK_MIN + 8
+    n = BIG_BATCH + 8
     m.begin("v", 1, n)
 
     def rank(r: int, how: str = "") -> list[dict]:
@@ -316,10 +317,11 @@ def test_column_checks_refuse_each_bad_rank_alone(vol):
     """The column path (typed files) must not let any bad rank through: a batch with one
     bad rank of each kind gives that rank the error it gets alone and commits the rest;
     a batch with a rank of no files stays on the column path."""
-    from metadata.checkpoints import BATCH_CHECK_MIN, WireFile, _prepare_columns
+    from metadata.checkpoints import WireFile
+    from metadata.ckptcheck import prepare_commits
 
     m = vol.meta
-    n = BATCH_CHECK_MIN + 4
+    n = BIG_BATCH + 4
 
     def rank(step: int, r: int, how: str = "") -> list:
         if how == "empty":
@@ -342,7 +344,8 @@ def test_column_checks_refuse_each_bad_rank_alone(vol):
             else:
                 assert isinstance(res, dict) and res["state"] == "open", (how, r, res)
     items = [("t", 99, r, rank(99, r, "empty" if r % 3 == 0 else ""), "h") for r in range(n)]
-    todo = _prepare_columns(items)  # no _SlowPath: ranks with no files stay on this path
+    out, todo = prepare_commits(items)  # ranks with no files are commits like any other
+    assert out == [None] * n
     for t in todo:
         out, (alone,) = m.prepare_commits([items[t[0]]])
         assert t[:8] == (t[0], *alone[1:8]), t[0]
@@ -353,10 +356,10 @@ def test_grouped_journal_rows_apply_and_abort_per_rank(vol):
     """A group commit journals up to JOURNAL_GROUP ranks per row, and a rank whose extents
     are exactly its new chunks only once (`owned`). Applied, every refcount is the true
     one; an abort drops the rows still pending and takes back what was applied."""
-    from metadata.checkpoints import BATCH_CHECK_MIN, JOURNAL_GROUP
+    from metadata.checkpoints import JOURNAL_GROUP
 
     m = vol.meta
-    n = max(BATCH_CHECK_MIN, JOURNAL_GROUP) + 5
+    n = max(BIG_BATCH, JOURNAL_GROUP) + 5
 
     def rank(step: int, r: int) -> list[dict]:
         ids = [_cid(b"q%d-%d-%d" % (step, r, i)) for i in range(2)]
@@ -433,10 +436,8 @@ def test_journal_columns_are_added_to_an_older_volume(tmp_path):
 def test_batch_path_checks_refuse_exactly_the_bad_ranks(vol):
     """A big group commit checks all its paths at once; a batch with a bad one is checked
     again path by path, so each bad rank gets the error it gets alone."""
-    from metadata.checkpoints import BATCH_CHECK_MIN
-
     m = vol.meta
-    n = BATCH_CHECK_MIN + 8
+    n = BIG_BATCH + 8
     bad = {1: "../x", 3: "/abs", 5: "a//b", 7: "a/./b", 9: "a/", 11: "", 13: "a\0b",
            15: "x" * 300, 17: "a/" + "n" * 256, 19: "a/..", 21: b"./a"}  # fmt: skip
     m.begin("p", 1, n)
@@ -464,11 +465,11 @@ def test_typed_wire_commits_get_the_errors_of_dict_commits(vol):
     """The service decodes a well-typed commit_rank into WireFiles (protocol.parse_commit)
     and checks a big batch of them on a fast path; every rank must get exactly what the
     same files as dicts get: the good ones commit, each bad one its own error."""
-    from metadata.checkpoints import BATCH_CHECK_MIN, CHK, EXT, WireFile
+    from metadata.checkpoints import CHK, EXT, WireFile
     from metadata.protocol import encode, parse_commit
 
     m = vol.meta
-    n = BATCH_CHECK_MIN + 8
+    n = BIG_BATCH + 8
 
     def rank(r: int, how: str = "") -> list[dict]:
         cid = _cid(b"w%d" % r)
@@ -523,7 +524,8 @@ def test_column_checks_match_the_rank_by_rank_checks(tmp_path):
     """A big batch of typed commits is validated column by column; each rank must come out
     exactly as it does checked alone: same digest (a retry is recognised either way),
     files in path order, sizes, new bytes, journal blobs and directories."""
-    from metadata.checkpoints import BATCH_CHECK_MIN, CHK, EXT, WireFile, _prepare_columns
+    from metadata.checkpoints import CHK, EXT, WireFile
+    from metadata.ckptcheck import prepare_commits
 
     v = Volume.create(str(tmp_path / "vol"), nodes=2)
 
@@ -539,10 +541,10 @@ def test_column_checks_match_the_rank_by_rank_checks(tmp_path):
             files.append(WireFile(path, 10 * len(ext) + r, b"".join(ext), chk))
         return files[::-1] if r % 2 else files  # some ranks send them out of order
 
-    n = BATCH_CHECK_MIN + 24
+    n = BIG_BATCH + 24
     items = [("j", 1, r, rank(r), f"h{r}") for r in range(n)]
-    cols = _prepare_columns(items)
-    assert len(cols) == n
+    out, cols = prepare_commits(items)
+    assert out == [None] * n and len(cols) == n
     for r, t in enumerate(cols):
         out, (alone,) = v.meta.prepare_commits([items[r]])
         assert out == [None]
@@ -592,6 +594,16 @@ def test_inline_sqlite_connection_never_waits_nor_applies_the_journal(tmp_path):
     v.close()
     with Volume.open(path) as v2:  # ...and not handed out again after a reopen
         assert v2.meta.create(ROOT_INO, b"e", stat.S_IFDIR | 0o755, 0, 0).ino > d.ino
+
+
+def test_metadata_checks_inline_ids_as_the_data_plane_makes_them():
+    """metadata.engine computes chunk ids itself (metadata and chunkstore do not import
+    each other): it must agree with chunkstore.ids, or every inline chunk is refused."""
+    from chunkstore.ids import chunk_id
+    from metadata.engine import inline_chunk_id
+
+    for data, seed in ((b"", 0), (b"x", 1), (os.urandom(16384), 2**63 - 1)):
+        assert inline_chunk_id(data, seed) == chunk_id(data, seed)
 
 
 def test_special_files_keep_type_and_device_number(vol):
@@ -1008,3 +1020,131 @@ def test_a_reader_waiting_for_a_staged_chunk_gets_it_when_it_turns_inline(vol):
     for t in readers:
         t.join(30)
     assert got == {False: data, True: data}
+
+
+def _oracle(files: list) -> tuple[list, int, bytes] | MetaError:
+    """The commit checks as a plain per-file reading of the rules, in the order the
+    files were sent (the rank-by-rank code the vectorized one replaced): (files in path
+    order, new bytes, digest) or the first error."""
+    import struct
+
+    import xxhash
+
+    from metadata.checkpoints import CHK, EXT
+    from metadata.ckptcheck import check_int, split_rel
+    from metadata.engine import DURABLE, chunk_lengths_ok
+
+    out, seen, new = [], set(), 0
+    try:
+        for f in files:
+            p, size, blob, chk = f["path"], f["size"], f["extents"], f["new_chunks"]
+            parts = split_rel(p)
+            path = b"/".join(parts)
+            if path in seen:
+                raise MetaError(errno.EINVAL, f"file {path!r} listed twice")
+            seen.add(path)
+            size = check_int(size, "size")
+            if not isinstance(blob, bytes | bytearray) or not isinstance(chk, bytes | bytearray):
+                raise MetaError(errno.EINVAL, f"{path!r}: extents/new_chunks are not packed lists")
+            blob, chk = bytes(blob), bytes(chk)
+            if len(blob) % EXT.size or len(chk) % CHK.size:
+                raise MetaError(errno.EINVAL, f"{path!r}: extents/new_chunks are not packed lists")
+            end = 0
+            for off, n, _, _ in EXT.iter_unpack(blob):
+                if n <= 0 or off < end:
+                    raise MetaError(errno.EINVAL, f"{path!r}: bad extent list at offset {off}")
+                end = off + n
+            if end > size:
+                raise MetaError(errno.EINVAL, f"{path!r}: extents end at {end}, past size {size}")
+            for _, raw, stored, st in CHK.iter_unpack(chk):
+                if not chunk_lengths_ok(raw, stored) or st > DURABLE:
+                    raise MetaError(errno.EINVAL, f"{path!r}: bad new chunk record")
+                new += raw
+            out.append((path, parts, size, blob, chk))
+    except MetaError as e:
+        return e
+    out.sort(key=lambda r: r[0])
+    head = struct.Struct("<QQQQ")
+    h = xxhash.xxh3_128(
+        b"".join(
+            head.pack(len(r[0]), r[2], len(r[3]) // EXT.size, len(r[4]) // CHK.size) for r in out
+        )  # fmt: skip
+    )
+    for col in (b"\0".join(r[0] for r in out), b"".join(r[3] for r in out),
+                b"".join(r[4] for r in out)):  # fmt: skip
+        h.update(col)
+    return out, new, h.digest()
+
+
+def test_commit_checks_agree_with_the_rules_read_file_by_file():
+    """prepare_commits checks a batch column by column (numpy over every file's records);
+    every rank must come out as a plain reading of the rules, file by file in the order
+    sent, says: the same first error, or the same files, new bytes and digest. Random
+    batches with faults of every kind, several per rank, values past 2**62 and 2**64."""
+    import random
+
+    from metadata.checkpoints import CHK, EXT, WireFile
+    from metadata.ckptcheck import prepare_commits
+
+    rnd = random.Random(1234)
+    big = [0, 1, 2**40, 2**62 - 1, 2**62, 2**63, 2**64 - 1]
+
+    def blob_ext(faulty: bool) -> bytes:
+        recs, off = [], rnd.choice([0, 0, 5])
+        for _ in range(rnd.randint(0, 4)):
+            n = rnd.choice([10, 10, 1]) if not faulty else rnd.choice([0, 10, *big])
+            recs.append(EXT.pack(off, n, 0, _cid(b"%d" % rnd.randint(0, 5))))
+            off = (off + n if not faulty else rnd.choice([off, off + n, off - 1, *big])) % 2**64
+        return b"".join(recs)
+
+    def blob_chk(faulty: bool) -> bytes:
+        return b"".join(
+            CHK.pack(_cid(b"%d" % rnd.randint(0, 5)),
+                     rnd.choice([10, 4] if not faulty else [0, 10, 2**40, 2**64 - 1]),
+                     rnd.choice([10, 4] if not faulty else [0, 7, 2**40]),
+                     rnd.choice([0, 1] if not faulty else [0, 1, 2, 9]))
+            for _ in range(rnd.randint(0, 3))
+        )  # fmt: skip
+
+    def one_file(faulty: bool) -> dict:
+        f = {"path": rnd.choice(["a", "b", "d/c", "d/e/f", "z"]), "size": 100,
+             "extents": blob_ext(faulty and rnd.random() < 0.5),
+             "new_chunks": blob_chk(faulty and rnd.random() < 0.3)}  # fmt: skip
+        if faulty and rnd.random() < 0.3:
+            f["path"] = rnd.choice(["", "/abs", "a//b", "../x", "a/.", "x" * 300, "a\0b"])
+        if faulty and rnd.random() < 0.2:
+            f["size"] = rnd.choice([-1, 2**62, "7", None, True, 3.0, 0, 2**64])
+        if faulty and rnd.random() < 0.1:
+            f[rnd.choice(["extents", "new_chunks"])] = rnd.choice(["x", b"abc", bytearray(40)])
+        if not faulty:
+            end = max([o + n for o, n, _, _ in EXT.iter_unpack(f["extents"])], default=0)
+            f["size"] = end + rnd.choice([0, 3])
+        return f
+
+    for _round in range(60):
+        items, sent = [], []
+        for r in range(rnd.randint(1, 24)):
+            faulty = rnd.random() < 0.5
+            files = [one_file(faulty) for _ in range(rnd.randint(0, 4))]
+            if not faulty:  # distinct paths
+                files = list({f["path"]: f for f in files}.values())
+            typed = all(isinstance(f["extents"], bytes) and isinstance(f["new_chunks"], bytes)
+                        and isinstance(f["path"], str) and type(f["size"]) is int
+                        for f in files) and rnd.random() < 0.5  # fmt: skip
+            items.append(("j", 1, r, [WireFile(**f) for f in files] if typed else files, "h"))
+            sent.append(files)
+        out, todo = prepare_commits(items)
+        done = {t[0]: t for t in todo}
+        for i, files in enumerate(sent):
+            want = _oracle(files)
+            if isinstance(want, MetaError):
+                assert isinstance(out[i], MetaError) and i not in done, (i, files, want)
+                assert (out[i].errno, str(out[i])) == (want.errno, str(want)), (i, files)
+            else:
+                assert out[i] is None, (i, files, out[i])
+                t = done[i]
+                assert [r[:3] for r in t[4]] == [r[:3] for r in want[0]]
+                assert [bytes(r[3]) for r in t[4]] == [r[3] for r in want[0]]
+                assert (t[7], t[6]) == (want[1], want[2]), (i, files)
+                assert t[9][5] == [sum(n for _, n, _, _ in EXT.iter_unpack(r[3]))
+                                   for r in want[0]]  # fmt: skip

@@ -382,7 +382,7 @@ def test_cli_put_get_ls_stats_checkpoints_over_the_service(served, tmp_path):
         (("ls", url), {"CKPTFS_TOKEN": "wrong", "CKPTFS_TOKEN_FILE": ""}, "wrong token"),
         (("ls", url), {"CKPTFS_TOKEN": "", "CKPTFS_TOKEN_FILE": ""}, "no token"),
         (("checkpoints", url, "show", "nope", "1"), env, "no checkpoint"),
-        (("ls", "ckptfs://127.0.0.1:1"), env, "cannot reach"),
+        (("ls", "ckptfs://127.0.0.1:1?retry=1"), env, "cannot reach"),
     ):
         p = _cli(*args, env=env2)
         assert p.returncode != 0 and "Traceback" not in p.stderr and word in p.stderr, p.stderr

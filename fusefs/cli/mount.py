@@ -18,6 +18,7 @@ import sys
 import time
 
 from chunkstore.tier.status import pid_alive
+from fusefs.cli.service import listen_arg
 from fusefs.cli.units import parse_size
 from fusefs.client.defaults import data_dir, ensure_default_volume
 
@@ -107,26 +108,52 @@ def attach_tier(vol, staging: str | None, staging_size: int | None, durability: 
     return vol.attach_tier(staging, staging_size, durability or "local")
 
 
+def _start_metrics(args: argparse.Namespace):
+    """The --metrics endpoint, bound before anything is mounted: a taken port fails the
+    mount at start, in one line. (server, collector) or (None, None)."""
+    if not args.metrics:
+        return None, None
+    from fusefs.metrics import MetricsError, serve_mount_metrics
+
+    try:
+        server, collector = serve_mount_metrics(args.metrics)
+    except MetricsError as e:
+        raise MountError(f"{e} (--metrics)") from None
+    log.info("metrics at %s", server.url)
+    return server, collector
+
+
 def _serve(args: argparse.Namespace, spec: str, mp: str, on_ready) -> None:
     from fusefs.client.volume import Volume
     from fusefs.mount.fs import serve
 
-    vol = Volume.open(spec)
+    metrics, collector = _start_metrics(args)
     try:
-        attach_tier(vol, args.staging, args.staging_size, args.durability)
-        pidfile = _pidfile(mp)
-        os.makedirs(os.path.dirname(pidfile), exist_ok=True)
-        with open(pidfile, "w") as f:
-            f.write(f"{os.getpid()}\n{mp}\n")
+        vol = Volume.open(spec)
         try:
-            serve(vol, mp, allow_other=args.allow_other, on_ready=on_ready)
-        finally:
+            attach_tier(vol, args.staging, args.staging_size, args.durability)
+            pidfile = _pidfile(mp)
+            os.makedirs(os.path.dirname(pidfile), exist_ok=True)
+            with open(pidfile, "w") as f:
+                f.write(f"{os.getpid()}\n{mp}\n")
             try:
-                os.unlink(pidfile)
-            except OSError:
-                pass
+                serve(
+                    vol,
+                    mp,
+                    allow_other=args.allow_other,
+                    on_ready=on_ready,
+                    on_start=collector.attach if collector is not None else None,
+                )
+            finally:
+                try:
+                    os.unlink(pidfile)
+                except OSError:
+                    pass
+        finally:
+            vol.close()
     finally:
-        vol.close()
+        if metrics is not None:
+            metrics.close()
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -142,8 +169,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return _background(args, spec, mp)
 
     def ready() -> None:
+        where = f"; metrics on {args.metrics[0]}:{args.metrics[1]}" if args.metrics else ""
         print(
-            f"ckptfs: {spec} mounted at {mp} (Ctrl-C or `ckptfs umount {mp}` to unmount)",
+            f"ckptfs: {spec} mounted at {mp} (Ctrl-C or `ckptfs umount {mp}` to unmount{where})",
             file=sys.stderr,
             flush=True,
         )
@@ -295,6 +323,13 @@ def register(sub) -> None:
     m.add_argument("--background", "-b", action="store_true", help="daemonize once mounted")
     m.add_argument("--allow-other", action="store_true", help="let other users in (modes apply)")
     m.add_argument("--log", metavar="FILE", help="daemon log file (with --background)")
+    m.add_argument(
+        "--metrics",
+        type=listen_arg,
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics",
+    )
     m.set_defaults(func=_run(cmd_mount))
 
     u = sub.add_parser("umount", help="unmount (also cleans up a mount whose daemon died)")

@@ -12,7 +12,7 @@ import time
 from functools import partial
 
 from fusefs.cli.text import shown
-from fusefs.cli.units import format_size
+from fusefs.cli.units import format_size, parse_listen
 from fusefs.client.volume import VOLUME_FILE, VolumeError
 from metadata.engine import MetaEngine
 from metadata.engines import open_engine
@@ -60,11 +60,12 @@ def ensure_token(path: str) -> str:
     return token
 
 
-def _listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, not {text!r}")
-    return host or "127.0.0.1", int(port)
+def listen_arg(text: str) -> tuple[str, int]:
+    """argparse type of --listen and --metrics: HOST:PORT."""
+    try:
+        return parse_listen(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _raise_fd_limit() -> None:
@@ -106,19 +107,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine, token, base_dir=path, max_frame=args.max_frame, threads=args.threads
     )
     logging.getLogger("ckptfs.meta").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
+    metrics = None
+    if args.metrics:
+        from fusefs.cli.main import UserError
+        from fusefs.metrics import MetricsError, serve_service_metrics
+
+        try:
+            metrics = serve_service_metrics(args.metrics, service)
+        except MetricsError as e:
+            engine.close()
+            raise UserError(f"{e} (--metrics)") from None
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(partial(service.serve, host, port, ssl_context=tls))
             mode = ", TLS" if tls else ", no TLS: trusted networks only"
+            where = f", metrics {metrics.url}" if metrics else ""
             print(
-                f"ckptfs meta: serving {path} on {host}:{bound} (token {token_file}{mode})",
+                f"ckptfs meta: serving {path} on {host}:{bound} (token {token_file}{mode}{where})",
                 flush=True,
             )
 
     try:
         trio.run(main)
     finally:
+        if metrics is not None:
+            metrics.close()
         engine.close()
     return 0
 
@@ -205,15 +219,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     m = sub.add_parser("meta", help="the metadata service")
     msub = m.add_subparsers(dest="meta_command", required=True, metavar="ACTION")
+    from fusefs.cli.backup import register_meta
+
+    register_meta(msub)  # backup, backups, restore, dump, load
     s = msub.add_parser("serve", help="serve a volume's metadata over TCP")
     s.add_argument("volume", help="volume directory (object nodes, token file)")
-    s.add_argument("--listen", type=_listen, default=("127.0.0.1", 7410), metavar="HOST:PORT")
+    s.add_argument("--listen", type=listen_arg, default=("127.0.0.1", 7410), metavar="HOST:PORT")
     s.add_argument("--db", default=None, help="postgresql://... (default: the volume's engine)")
     s.add_argument("--token-file", default=None, help=f"default VOLUME/{TOKEN_FILE}, created")
     s.add_argument("--max-frame", type=size_arg, default=MAX_FRAME)
     s.add_argument("--threads", type=int, default=8, help="engine worker threads")
     s.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS: certificate chain")
     s.add_argument("--tls-key", default=None, metavar="PEM", help="its key (default: in the cert)")
+    s.add_argument(
+        "--metrics",
+        type=listen_arg,
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics",
+    )
     s.set_defaults(func=cmd_serve)
 
     c = sub.add_parser("checkpoints", help="list and inspect checkpoint steps")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 from chunkstore.tier.status import scan_staging
@@ -27,36 +28,98 @@ def _rate(bps: float) -> str:
     return f"{format_size(bps)}/s"
 
 
+def _snapshot(vol, root: str) -> dict:
+    """The figures `status` shows: this host's staging (read from its journals and the live
+    processes' status files) and the chunks not yet durable anywhere."""
+    st = scan_staging(root) if os.path.isdir(root) else scan_staging_empty(root)
+    st["volume_staged_chunks"] = vol.stats()["staged_chunks"]
+    return st
+
+
+def _render(st: dict, drain_bps: float | None = None) -> list[str]:
+    age = st["oldest_pending_age_s"]
+    drain = f", draining {_rate(drain_bps)}" if drain_bps and drain_bps > 0 else ""
+    lines = [
+        f"staging      {st['staging']} (host {st['host']})",
+        f"pending      {st['pending_chunks']} chunks, {format_size(st['pending_bytes'])}"
+        + (f", oldest {age:.1f}s ago" if age is not None else "")
+        + drain,
+        f"upload rate  {_rate(st['upload_rate_bps'])}",
+        f"staged/cache {format_size(st['staged_bytes'])} / {format_size(st['cache_bytes'])}",
+        f"volume       {st['volume_staged_chunks']} chunks not yet durable (all hosts)",
+    ]
+    for s in st["segments"]:
+        who = f"pid {s['pid']}" if s["live"] else "orphaned (owner died; next flush uploads it)"
+        err = f", last error: {s['last_error']}" if s["last_error"] else ""
+        lines.append(
+            f"  {s['segment']}: {who}: {s['pending_chunks']} chunks, "
+            f"{format_size(s['pending_bytes'])}, {_rate(s['upload_rate_bps'])}{err}"
+        )
+    return lines
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from fusefs.cli.main import UserError
     from fusefs.client.volume import Volume
 
+    if args.interval <= 0:
+        raise UserError("--interval must be a positive number of seconds")
     with Volume.open(args.volume) as vol:
         root = _staging(args, vol)
         if args.staging and not os.path.isdir(root):
             raise UserError(f"no staging directory at {root}")
-        st = scan_staging(root) if os.path.isdir(root) else scan_staging_empty(root)
-        st["volume_staged_chunks"] = vol.stats()["staged_chunks"]
+        if args.watch:
+            return _watch(args, vol, root)
+        st = _snapshot(vol, root)
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
-    age = st["oldest_pending_age_s"]
-    print(f"staging      {st['staging']} (host {st['host']})")
-    print(
-        f"pending      {st['pending_chunks']} chunks, {format_size(st['pending_bytes'])}"
-        + (f", oldest {age:.1f}s ago" if age is not None else "")
-    )
-    print(f"upload rate  {_rate(st['upload_rate_bps'])}")
-    print(f"staged/cache {format_size(st['staged_bytes'])} / {format_size(st['cache_bytes'])}")
-    print(f"volume       {st['volume_staged_chunks']} chunks not yet durable (all hosts)")
-    for s in st["segments"]:
-        who = f"pid {s['pid']}" if s["live"] else "orphaned (owner died; next flush uploads it)"
-        err = f", last error: {s['last_error']}" if s["last_error"] else ""
-        print(
-            f"  {s['segment']}: {who}: {s['pending_chunks']} chunks, "
-            f"{format_size(s['pending_bytes'])}, {_rate(s['upload_rate_bps'])}{err}"
-        )
+    print("\n".join(_render(st)))
     return 0
+
+
+# Terminal control: cursor home, clear to the end of the line, clear below, clear screen.
+HOME, EOL, EOS, CLEAR = "\x1b[H", "\x1b[K", "\x1b[J", "\x1b[2J"
+
+
+def _watch(args: argparse.Namespace, vol, root: str) -> int:
+    """The same figures every --interval seconds, redrawn in place on a terminal (as
+    `juicefs stats`); elsewhere (a pipe, a log) one block per refresh, or one JSON object
+    per line with --json. Ctrl-C ends it; --count N after N refreshes."""
+    tty = sys.stdout.isatty() and not args.json
+    prev: tuple[float, int] | None = None
+    shown = 0
+    try:
+        if tty:
+            sys.stdout.write(CLEAR)
+        while True:
+            st = _snapshot(vol, root)
+            now = time.monotonic()
+            drain = None
+            if prev is not None and now > prev[0]:
+                drain = (prev[1] - st["pending_bytes"]) / (now - prev[0])
+            prev = (now, st["pending_bytes"])
+            if args.json:
+                print(json.dumps(st), flush=True)
+            else:
+                head = (
+                    f"ckptfs status {args.volume}  {time.strftime('%H:%M:%S')}, "
+                    f"every {args.interval:g}s (Ctrl-C to stop)"
+                )
+                lines = [head, "", *_render(st, drain)]
+                if tty:
+                    sys.stdout.write(HOME + "".join(f"{x}{EOL}\n" for x in lines) + EOS)
+                else:
+                    sys.stdout.write("\n".join(lines) + "\n\n")
+                sys.stdout.flush()
+            shown += 1
+            if args.count and shown >= args.count:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        if tty:
+            sys.stdout.write("\n")
+        return 0
 
 
 def scan_staging_empty(root: str) -> dict:
@@ -149,6 +212,11 @@ def register(sub) -> None:
     s.add_argument("volume")
     s.add_argument("--staging", metavar="DIR", help="staging directory (default: per volume)")
     s.add_argument("--json", action="store_true")
+    s.add_argument(
+        "--watch", "-w", action="store_true", help="refresh the figures in place until Ctrl-C"
+    )
+    s.add_argument("--interval", type=float, default=1.0, metavar="SECONDS", help="with --watch")
+    s.add_argument("--count", type=int, default=0, metavar="N", help="with --watch: N refreshes")
     s.set_defaults(func=cmd_status)
 
     f = sub.add_parser("flush", help="wait until this host's staged chunks are durable")

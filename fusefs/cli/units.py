@@ -39,3 +39,11 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """HOST:PORT (HOST defaults to 127.0.0.1; IPv6 in brackets) for --listen and --metrics."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, not {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)

@@ -1,4 +1,5 @@
-"""FileReader: range reads over a file's extents, with read-ahead of the following chunks.
+"""FileReader: range reads over a file's extents, with read-ahead of the following chunks
+for a reader that goes on where it stopped (a random reader fetches only what it reads).
 
 Chunks come from Volume.fetch_chunk (verified; through the host tier's read cache when one
 is attached); the range arithmetic is fusefs.client.extents, shared with every reader.
@@ -27,15 +28,18 @@ class FileReader:
         self.size = attr.size
         self.extents = vol.meta.get_extents(attr.ino)
         self._starts = ext.starts_of(self.extents)
-        self._cache: OrderedDict[bytes, Future[bytes]] = OrderedDict()
+        self._cache: OrderedDict[bytes, Future[bytes | memoryview]] = OrderedDict()
         self._readahead = readahead
         self._pos = 0
+        self._end = 0  # where the last pread ended: a read from there is sequential
 
-    def _chunk(self, e: Extent) -> Future[bytes]:
+    def _chunk(self, e: Extent) -> Future[bytes | memoryview]:
         cid = e.chunk_id
         fut = self._cache.get(cid)
         if fut is None:
-            fut = self.vol.pool.submit(self.vol.fetch_chunk, cid, small=maybe_inline(e))
+            # view=True: a raw chunk held on this host comes back as a view of its mapped
+            # file (no read into a fresh buffer); pread copies out of it once.
+            fut = self.vol.pool.submit(self.vol.fetch_chunk, cid, small=maybe_inline(e), view=True)
             self._cache[cid] = fut
             while len(self._cache) > self._readahead + 4:
                 self._cache.popitem(last=False)
@@ -50,10 +54,13 @@ class FileReader:
         if size == 0:
             return b""
         end = offset + size
+        sequential = offset == 0 or offset == self._end
+        self._end = end
         idx = ext.overlapping(self.extents, self._starts, offset, end)
         if idx:
             futs = [self._chunk(self.extents[i]) for i in idx]
-            self._prefetch(idx[-1] + 1)
+            if sequential:
+                self._prefetch(idx[-1] + 1)
         if len(idx) == 1 and ext.covers(self.extents[idx[0]], offset, end):
             return bytes(ext.view(self.extents[idx[0]], futs[0].result(), offset, end))
         out = bytearray(size)

@@ -24,6 +24,10 @@ The sink is per volume and thread-safe: its unsynced set is the volume's, since 
 acknowledges everything the tier (or the nodes) hold unsynced, whoever wrote it. A
 ChunkStream is one file's ordered pipeline over the sink: extents, new chunk records and
 a bounded window of stores in flight.
+
+The sink also counts what went through it (chunks, logical bytes, dedup hits, stores by
+where they went, bytes stored): plain int attributes bumped on the paths above, read by
+the metrics collector (fusefs.metrics) at scrape time, so writers pay an integer add.
 """
 
 from __future__ import annotations
@@ -65,6 +69,18 @@ class ChunkSink:
         self._unsynced: dict[bytes, int] = {}  # stored unsynced: chunk id -> bytes admitted
         self._unsynced_bytes = 0  # their sum
         self._reserved = 0  # bytes admitted for puts still running
+        # Counters (monotonic; read by fusefs.metrics). Chunks and raw bytes every writer
+        # handed in, those already stored (dedup hits: known to the volume or repeated in
+        # the same file), new chunks by where they went, and the bytes written for them
+        # (raw plus header when staged, encoded when put to the nodes, raw when inline).
+        self.chunks_in = 0
+        self.bytes_in = 0
+        self.dedup_hits = 0
+        self.dedup_bytes = 0
+        self.puts_inline = 0
+        self.puts_tier = 0
+        self.puts_nodes = 0
+        self.stored_bytes = 0
 
     # -- ids and existence ---------------------------------------------------------------
     def ids(self, chunks: Sequence[Buffer | Pieces]) -> list[bytes]:
@@ -104,6 +120,8 @@ class ChunkSink:
         (INLINE). Checkpoint commits (commit_rank) carry no bytes. The chunk is durable only
         after the next `sync()`, which the writer calls before the commit naming it."""
         if inline and n <= INLINE_DATA_MAX:
+            self.puts_inline += 1
+            self.stored_bytes += n
             return NewChunk.inline(cid, bytes(_joined(pieces)))
         codec_name, width = hint
         vol, tier = self.vol, self.vol.tier
@@ -111,16 +129,21 @@ class ChunkSink:
             parts = codec.raw_parts(list(pieces))  # not joined: fileio.write_new copies once
             with self._unsynced_put(cid, n):
                 state = tier.put(cid, parts, sync=False, width=width)
+            self.puts_tier += 1
+            self.stored_bytes += n + codec.HEADER
             return NewChunk(cid, n, n + codec.HEADER, state)
         blob = codec.encode(
             _joined(pieces), codec_name or vol.settings.compression, elem_width=width
         )
         if tier is not None:  # durability=remote: on R nodes when put returns
             state = tier.put(cid, blob, sync=False, width=width)
+            self.puts_tier += 1
         else:
             with self._unsynced_put(cid, n):
                 vol.store.put_encoded(cid, blob, sync=False)
             state = DURABLE
+            self.puts_nodes += 1
+        self.stored_bytes += len(blob)
         return NewChunk(cid, n, len(blob), state)
 
     def hash_and_store(self, pieces: Pieces, n: int) -> tuple[bytes, NewChunk | None]:
@@ -129,9 +152,25 @@ class ChunkSink:
         enough to be inline skips the query: its record carries the bytes, and the commit
         keeps a chunk row already there."""
         cid = pieces_id(list(pieces), self.vol.seed)
+        self.chunks_in += 1
+        self.bytes_in += n
         if n > INLINE_DATA_MAX and not self.missing([cid]):
+            self.dedup_hits += 1
+            self.dedup_bytes += n
             return cid, None
         return cid, self.store(cid, pieces, n, inline=True)
+
+    def count_committed(self, n: int, *, new: bool) -> None:
+        """A chunk a writer committed without the sink (the mount's small file committed
+        on its loop connection): counted as handed in, and as inline or a dedup hit."""
+        self.chunks_in += 1
+        self.bytes_in += n
+        if new:
+            self.puts_inline += 1
+            self.stored_bytes += n
+        else:
+            self.dedup_hits += 1
+            self.dedup_bytes += n
 
     # -- acknowledging -------------------------------------------------------------------
     @property
@@ -246,7 +285,12 @@ class ChunkStream:
         missing = sink.missing(ask) if ask else set()
         for (off, pieces, n, hint), cid in zip(batch, ids, strict=True):
             self.extents.append(Extent(off, n, cid, 0))
-            if cid in missing and cid not in self._planned:
+            sink.chunks_in += 1
+            sink.bytes_in += n
+            if cid not in missing or cid in self._planned:
+                sink.dedup_hits += 1
+                sink.dedup_bytes += n
+            else:
                 self._planned.add(cid)
                 while self._inflight and self._inflight_bytes + n > self.inflight_max:
                     self._reap()

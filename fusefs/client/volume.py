@@ -213,12 +213,13 @@ class Volume:
         return cls(meta, config, base_dir=path, nodes=nodes_objs)
 
     @classmethod
-    def open(cls, spec: str, **kw) -> Volume:
-        """Open a volume directory or a `ckptfs://HOST:PORT` service."""
+    def open(cls, spec: str, *, token: str | None = None, **kw) -> Volume:
+        """Open a volume directory or a `ckptfs://HOST:PORT` service (`token`: the service's,
+        when neither the URL nor the environment names it)."""
         if spec.startswith("ckptfs://"):
             from metadata.client import connect
 
-            meta = connect(spec)
+            meta = connect(spec, token=token)
             return cls(meta, meta.get_config(), **kw)
         path = os.path.abspath(spec)
         vf = os.path.join(path, VOLUME_FILE)
@@ -378,6 +379,23 @@ class Volume:
             self.meta.forget_orphan(replaced.ino)
 
     # -- data ----------------------------------------------------------------
+    def create_file(
+        self, path: str, *, mode: int = 0o644, parents: bool = True, exclusive: bool = False
+    ) -> Attr:
+        """The regular file at `path`, created (empty) if missing; EEXIST if `exclusive`."""
+        parent, name = self._parent(path, make=parents)
+        try:
+            return self.meta.create(parent.ino, name, stat.S_IFREG | mode, os.getuid(), os.getgid())
+        except MetaError as e:
+            if e.errno != errno.EEXIST or exclusive:
+                raise
+            attr = self.meta.lookup(parent.ino, name)
+            if attr.is_dir:
+                raise MetaError(errno.EISDIR, f"{path!r} is a directory") from None
+            if not attr.is_reg:
+                raise MetaError(errno.EINVAL, f"{path!r} is not a regular file") from None
+            return attr
+
     def open_write(
         self,
         path: str,
@@ -390,17 +408,7 @@ class Volume:
     ) -> FileWriter:
         """A writer whose bytes replace the file's content atomically at close().
         inline=False stores even the smallest chunks on the nodes (FileWriter)."""
-        parent, name = self._parent(path, make=parents)
-        try:
-            attr = self.meta.create(parent.ino, name, stat.S_IFREG | mode, os.getuid(), os.getgid())
-        except MetaError as e:
-            if e.errno != errno.EEXIST or exclusive:
-                raise
-            attr = self.meta.lookup(parent.ino, name)
-            if attr.is_dir:
-                raise MetaError(errno.EISDIR, f"{path!r} is a directory") from None
-            if not attr.is_reg:
-                raise MetaError(errno.EINVAL, f"{path!r} is not a regular file") from None
+        attr = self.create_file(path, mode=mode, parents=parents, exclusive=exclusive)
         return FileWriter(self, attr.ino, codec_name=codec_name, inline=inline)
 
     def write_file(self, path: str, data: bytes, **kw) -> Attr:

@@ -48,6 +48,15 @@ class FileWriter:
     def new_chunks(self) -> dict[bytes, NewChunk]:
         return self.stream.new_chunks
 
+    def append_to(self, extents: list[Extent], size: int) -> None:
+        """Start after an existing content (append): its extents are kept as they are (their
+        chunks shared, nothing read back), and the bytes written next go at `size`. Call
+        before the first write."""
+        if self.stream.size or self.stream.extents:
+            raise ValueError("append_to after a write")
+        self.stream.extents = list(extents)
+        self.stream.size = size
+
     def write(self, data: bytes | memoryview) -> int:
         if self.closed:
             raise ValueError("write to a closed FileWriter")
@@ -79,9 +88,15 @@ class FileWriter:
             self.stream.abort()
             raise
         if commit:
-            self.attr = self.vol.meta.commit_file(
-                self.ino, self.extents, self.size, list(self.new_chunks.values())
-            )
+            self.commit()
+        return self.attr
+
+    def commit(self) -> Attr:
+        """Publish what close(commit=False) stored: the file's new content, in one
+        transaction (fsspec transactions commit files this way, after all are written)."""
+        self.attr = self.vol.meta.commit_file(
+            self.ino, self.extents, self.size, list(self.new_chunks.values())
+        )
         return self.attr
 
     def abort(self) -> None:

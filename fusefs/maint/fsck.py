@@ -38,6 +38,7 @@ from chunkstore.ids import chunk_id
 from chunkstore.nodes import NodeError, ObjectNode
 from fusefs.cli.progress import Progress
 from fusefs.client.volume import Volume
+from fusefs.maint.backup import backup_named, is_backup_id
 from metadata.engine import DURABLE, INLINE, STAGED, NewChunk
 
 DEFAULT_GRACE = 3600.0  # seconds an unreferenced chunk or row-less object is left alone
@@ -131,7 +132,9 @@ def list_nodes(vol: Volume, report: Report) -> dict[str, dict[bytes, tuple[int, 
 
     def one(node: ObjectNode) -> None:
         try:
-            out[node.name] = {cid: (size, mt) for cid, size, mt in node.list()}
+            out[node.name] = {
+                cid: (size, mt) for cid, size, mt in node.list() if not is_backup_id(cid)
+            }  # a backup's objects are no chunks (fusefs/maint/backup.py)
         except (NodeError, OSError) as e:
             report.add(
                 Problem(
@@ -445,6 +448,8 @@ def _orphans(vol: Volume, report: Report, rows, listings, grace: float, repair: 
                 report.young_objects += 1
     # Rows registered while we listed are not orphans: ask again, without side effects.
     known = vol.meta.known_chunks(list({cid for _, cid in old})) if old else set()
+    # Objects a kept backup names are not orphans: its restore needs them.
+    known |= backup_named(vol.store.nodes, {cid for _, cid in old} - known) if old else set()
     for name, cid in old:
         if cid in known:
             continue

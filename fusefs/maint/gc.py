@@ -5,7 +5,8 @@ with refcount 0, no extent pointing at them, and an untouched grace timer
 (missing_chunks restarts it when a writer deduplicates against the chunk).
 Then objects: an object is deleted only if no row names it *now* and it is
 itself older than the grace period, so an object a writer has just stored
-(again) but not yet committed survives until the next run.
+(again) but not yet committed survives until the next run. Objects of backups, and
+objects a kept backup names, stay (fusefs/maint/backup.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from chunkstore.nodes import NodeError
 from fusefs.cli.progress import Progress
 from fusefs.client.volume import Volume
+from fusefs.maint.backup import backup_named, is_backup_id
 from fusefs.maint.fsck import DEFAULT_GRACE
 
 BATCH = 1000
@@ -54,16 +56,20 @@ def gc(vol: Volume, *, grace: float = DEFAULT_GRACE, progress: bool | None = Non
                 rep.bytes_freed += nbytes
                 old: list[tuple[bytes, int]] = []
                 for cid, size, mtime in node.list():
+                    if is_backup_id(cid):
+                        continue  # a backup's piece: dropped with its backup
                     if mtime < cutoff:
                         old.append((cid, size))
                     else:
                         rep.young_objects_skipped += 1
+                doomed: list[tuple[bytes, int]] = []
                 for i in range(0, len(old), BATCH):
                     part = old[i : i + BATCH]
                     known = vol.meta.known_chunks([cid for cid, _ in part])
-                    for cid, size in part:
-                        if cid in known:
-                            continue
+                    doomed += [(cid, size) for cid, size in part if cid not in known]
+                kept = _kept(vol, {cid for cid, _ in doomed})  # one read of the backups
+                for cid, size in doomed:
+                    if cid not in kept:
                         node.delete(cid)
                         rep.objects_deleted += 1
                         rep.bytes_freed += size
@@ -72,3 +78,8 @@ def gc(vol: Volume, *, grace: float = DEFAULT_GRACE, progress: bool | None = Non
             bar.update(1)
     rep.seconds = time.monotonic() - t0
     return rep
+
+
+def _kept(vol: Volume, candidates: set[bytes]) -> set[bytes]:
+    """Objects a kept backup names: its restore would need them (fusefs/maint/backup.py)."""
+    return backup_named(vol.store.nodes, candidates) if candidates else set()

@@ -115,6 +115,10 @@ class FileCache:
         self._chunks: OrderedDict[bytes, _Slot] = OrderedDict()
         self._cached_bytes = 0
         self._ahead_bytes = 0  # read-ahead slots not read yet (a block each)
+        # Reads of a chunk found in the cache (fetched, being fetched or read ahead) and
+        # not found (fetched for the read): counters for fusefs.metrics.
+        self.cache_hits = 0
+        self.cache_misses = 0
         self._changed = trio.lowlevel.ParkingLot()
 
     async def meta(self, fn, *args, **kw):
@@ -454,6 +458,7 @@ class FileCache:
         except MetaError as e:  # MetaBusy (nothing done) or a refusal
             log.debug("inline commit of inode %d: %s; via a worker", ino, e)
             return None, None
+        self.vol.sink.count_committed(length, new=bool(new))
         return (cid, attr), None
 
     async def shutdown(self) -> None:
@@ -554,8 +559,11 @@ class FileCache:
         if slot is not None:
             self._chunks.move_to_end(cid)
             if not ahead:
+                self.cache_hits += 1
                 self._consumed(slot)
             return slot
+        if not ahead:
+            self.cache_misses += 1
         self._evict(self.cache_max - self.block)
         slot = self._chunks[cid] = _Slot(ahead)
         if ahead:

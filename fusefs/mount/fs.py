@@ -62,29 +62,41 @@ _PRIV_BITS = stat.S_ISUID | stat.S_ISGID  # what a write by another user may cle
 
 
 def handler(fn: Callable) -> Callable:
-    """Errors become errnos; the daemon never dies of a request."""
+    """Errors become errnos; the daemon never dies of a request. Each request and each
+    error answer is counted by operation (CkptFS.op_counts / op_errors, for metrics: a
+    dict add on the loop thread, no lock)."""
+    op = fn.__name__
 
     @functools.wraps(fn)
-    async def wrapped(*args, **kw):
+    async def wrapped(self, *args, **kw):
+        counts = self.op_counts
+        counts[op] = counts.get(op, 0) + 1
         try:
-            return await fn(*args, **kw)
+            return await fn(self, *args, **kw)
         except pyfuse3.FUSEError:
+            errs = self.op_errors
+            errs[op] = errs.get(op, 0) + 1
             raise
-        except (MetaError, FileError) as e:
-            raise pyfuse3.FUSEError(e.errno) from None
-        except ChunkStoreError as e:
-            log.error("%s: %s", fn.__name__, e)
-            raise pyfuse3.FUSEError(errno.EIO) from None
-        except OSError as e:
-            log.error("%s: %s", fn.__name__, e)
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        except (trio.Cancelled, KeyboardInterrupt):
-            raise
-        except Exception:
-            log.exception("%s failed", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception as e:  # trio.Cancelled and KeyboardInterrupt go through
+            errs = self.op_errors
+            errs[op] = errs.get(op, 0) + 1
+            raise _fuse_error(op, e) from None
 
     return wrapped
+
+
+def _fuse_error(op: str, e: Exception) -> pyfuse3.FUSEError:
+    """The errno answer of a request that failed with `e` (logged when unexpected)."""
+    if isinstance(e, MetaError | FileError):
+        return pyfuse3.FUSEError(e.errno)
+    if isinstance(e, ChunkStoreError):
+        log.error("%s: %s", op, e)
+        return pyfuse3.FUSEError(errno.EIO)
+    if isinstance(e, OSError):
+        log.error("%s: %s", op, e)
+        return pyfuse3.FUSEError(e.errno or errno.EIO)
+    log.error("%s failed", op, exc_info=e)
+    return pyfuse3.FUSEError(errno.EIO)
 
 
 @dataclass
@@ -114,6 +126,12 @@ class CkptFS(pyfuse3.Operations):
         self.page_gen: dict[int, int] = {}  # generation whose pages the kernel may hold
         self._statfs: tuple[float, tuple[int, int]] | None = None
         self.requests = 0
+        # Counters for fusefs.metrics, bumped on the loop thread: requests and error
+        # answers by operation (`handler`), and the bytes read and written through FUSE.
+        self.op_counts: dict[str, int] = {}
+        self.op_errors: dict[str, int] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
 
     # -- plumbing ------------------------------------------------------------------
     async def run(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -578,7 +596,9 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def read(self, fh, off, size):
-        return await self.cache.read(self.handles[fh].st, off, size)
+        data = await self.cache.read(self.handles[fh].st, off, size)
+        self.bytes_read += len(data)
+        return data
 
     @handler
     async def write(self, fh, off, buf):
@@ -587,7 +607,9 @@ class CkptFS(pyfuse3.Operations):
             self.direct_written.add(h.st.ino)
         if h.groups is not None and h.st.attr.mode & (stat.S_ISUID | stat.S_ISGID):
             await self._kill_privs(h.st, h.groups)
-        return await self.cache.write(h.st, off, buf)
+        n = await self.cache.write(h.st, off, buf)
+        self.bytes_written += n
+        return n
 
     async def _commit(self, st: FileState) -> None:
         if st.attr.nlink <= 0 and st.ino in self.orphans:
@@ -770,13 +792,18 @@ def serve(
     *,
     allow_other: bool = False,
     on_ready: Callable[[], None] | None = None,
+    on_start: Callable[[CkptFS], None] | None = None,
 ) -> None:
-    """Mount, serve until unmounted or SIGINT/SIGTERM, unmount. Blocks."""
+    """Mount, serve until unmounted or SIGINT/SIGTERM, unmount. Blocks.
+    `on_start(fs)` gets the filesystem object before the mount (the metrics endpoint
+    reads its counters)."""
     mountpoint = os.path.abspath(mountpoint)
     purged = vol.meta.purge_orphans()
     if purged:
         log.info("purged %d orphan inode(s) left by a crash", purged)
     fs = CkptFS(vol, mountpoint)
+    if on_start is not None:
+        on_start(fs)
     _tune_malloc()
     pyfuse3.init(fs, mountpoint, mount_options(allow_other=allow_other))
     try:

@@ -1,0 +1,461 @@
+"""Metadata backups stored on the object nodes, and restoring a volume from the nodes alone.
+
+Lose the database and every chunk on the nodes is anonymous bytes. So a backup is the
+metadata dump (metadata/dump.py: engine-independent, zstd, consistent) stored where the
+chunks are, replicated and checksummed like them:
+
+- The dump stream is cut into pieces of PIECE_SIZE bytes. Each piece is a chunk object
+  (codec header and checksum; `none` codec, as the stream is compressed already) put on
+  R nodes by the chunk store's placement, under an id no chunk id can take: chunk ids are
+  xxh3-128 outputs, and backup ids start with the 8-byte MAGIC (a chunk id starting with
+  it has odds of 2^-64), then the backup number (u32, its creation second) and the piece
+  number (u32). The piece number MANIFEST_PIECE is the backup's manifest: JSON with the
+  volume's uuid, time, counts, each piece's length and xxh3-128 (a piece is checked
+  against it; without the volume's seed, which is inside the dump, the chunk id check
+  cannot apply), and the node list.
+- The manifest is put last, so a backup is listed only once all its pieces are stored;
+  dropping a backup deletes its manifest first.
+- `list_backups` finds manifests by listing the nodes: it needs no metadata at all, so
+  `ckptfs meta backups --node URL...` and `ckptfs meta restore NEW --node URL...` work
+  after the volume directory is gone.
+- gc and fsck skip backup objects (`is_backup_id`), and gc keeps every object a kept
+  backup names (`backup_named`): the rows of a deleted file go, its objects stay until
+  the last backup that could restore it is dropped.
+
+The volume config in a dump carries the chunk-id seed (a restore needs it, since ids
+depend on it); node credentials are never in the config, so never in a backup.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import shutil
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import IO, Any
+
+import xxhash
+
+from chunkstore import codec
+from chunkstore.nodes import (
+    NodeError,
+    NodeInfo,
+    ObjectMissing,
+    ObjectNode,
+    open_node,
+    parse_node_url,
+)
+from chunkstore.store import ChunkStore
+from metadata.dump import DumpError, iter_table, load_dump, read_records, write_dump
+from metadata.engine import INLINE
+from metadata.engines import open_engine
+
+log = logging.getLogger("ckptfs.backup")
+
+MAGIC = b"\xffckptbk"  # 7 bytes, then the format byte: 8 bytes of prefix
+PREFIX = MAGIC + b"\x01"
+_NUMS = struct.Struct(">II")  # backup number, piece number (big-endian: ids sort by time)
+MANIFEST_PIECE = 0xFFFFFFFF
+PIECE_SIZE = 8 << 20  # bytes of dump stream per object
+BACKUP_INTERVAL = 3600.0  # default of the volume setting `backup_interval` (seconds)
+BACKUP_KEEP = 7  # default of the volume setting `backup_keep`
+LAST_KEY = "backup:last"  # config key: when the last automatic backup was attempted
+
+
+class BackupError(Exception):
+    """A backup that cannot be made, found or restored; the message is one line."""
+
+
+def backup_id(number: int, piece: int) -> bytes:
+    return PREFIX + _NUMS.pack(number, piece)
+
+
+def is_backup_id(cid: bytes) -> bool:
+    """Is this node object part of a backup (never a chunk, never an orphan)?"""
+    return cid[:8] == PREFIX
+
+
+def parse_id(cid: bytes) -> tuple[int, int]:
+    return _NUMS.unpack(cid[8:16])
+
+
+# -- writing --------------------------------------------------------------------------
+class _PieceWriter(io.RawIOBase):
+    """A file-like the dump writes into: every PIECE_SIZE bytes become one object."""
+
+    def __init__(self, store: ChunkStore, number: int, piece_size: int) -> None:
+        self.store = store
+        self.number = number
+        self.piece_size = piece_size
+        self.buf = bytearray()
+        self.pieces: list[dict] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.buf += b
+        while len(self.buf) >= self.piece_size:
+            self._put(bytes(self.buf[: self.piece_size]))
+            del self.buf[: self.piece_size]
+        return len(b)
+
+    def finish(self) -> None:
+        if self.buf or not self.pieces:
+            self._put(bytes(self.buf))
+            self.buf.clear()
+
+    def _put(self, data: bytes) -> None:
+        i = len(self.pieces)
+        if i >= MANIFEST_PIECE:
+            raise BackupError("backup too large")
+        self.store.put_encoded(backup_id(self.number, i), codec.encode(data, "none"))
+        self.pieces.append({"len": len(data), "xxh128": xxhash.xxh3_128_hexdigest(data)})
+
+
+def create_backup(vol: Any, *, keep: int | None = None, piece_size: int = PIECE_SIZE) -> dict:
+    """Back the volume's metadata up onto its nodes; drop all but the newest `keep`
+    (default: the volume's `backup_keep`). Returns the manifest."""
+    settings = backup_settings(vol.meta)
+    keep = settings["keep"] if keep is None else keep
+    if keep < 1:
+        raise BackupError("backup_keep must be at least 1")
+    existing = list_backups(vol.store.nodes)
+    number = max(int(time.time()), *(m["id"] + 1 for m in existing), 1)
+    t0 = time.monotonic()
+    w = _PieceWriter(vol.store, number, piece_size)
+    counts = write_dump(vol.meta, w, config_fn=partial(absolute_nodes, base=vol.base_dir))
+    w.finish()
+    cfg = vol.config
+    manifest = {
+        "format": 1,
+        "id": number,
+        "created": time.time(),
+        "volume": cfg.get("uuid"),
+        "replicas": vol.settings.replicas,
+        "nodes": [{"name": n.name, "domain": n.domain} for n in vol.store.nodes],
+        "pieces": w.pieces,
+        "size": sum(p["len"] for p in w.pieces),
+        "files": counts["files"],
+        "checkpoints": counts["checkpoints"],
+        "extents": counts["extents"],
+        "chunks": counts["rows"].get("chunks", 0),
+        "seconds": round(time.monotonic() - t0, 3),
+    }
+    body = json.dumps(manifest, sort_keys=True).encode()
+    vol.store.put_encoded(backup_id(number, MANIFEST_PIECE), codec.encode(body, "none"))
+    older = sorted(
+        [m for m in existing if m.get("volume") == manifest["volume"]], key=lambda m: m["id"]
+    )
+    for m in older[: max(0, len(older) + 1 - keep)]:
+        drop_backup(vol.store.nodes, m)
+    return manifest
+
+
+def drop_backup(nodes: Sequence[ObjectNode], manifest: dict) -> None:
+    """Delete a backup from every node: the manifest first (so it is never listed half
+    deleted), then its pieces."""
+    number = manifest["id"]
+    ids = [backup_id(number, MANIFEST_PIECE)] + [
+        backup_id(number, i) for i in range(len(manifest["pieces"]))
+    ]
+    for cid in ids:
+        for node in nodes:
+            try:
+                node.delete(cid)
+            except ObjectMissing:
+                pass
+            except NodeError as e:
+                log.warning("dropping backup %d on %s: %s", number, node.name, e)
+
+
+def absolute_nodes(cfg: dict, base: str | None) -> dict:
+    """The config with relative dir: node paths (resolved against the volume directory)
+    made absolute: a dump outlives that directory, or loads into another one."""
+    if not base:
+        return cfg
+    out = dict(cfg)
+    nodes = []
+    for n in cfg.get("nodes", []):
+        url = n["url"]
+        if url.startswith("dir:"):
+            p, sep, q = url[4:].partition("?")
+            if not os.path.isabs(p):
+                url = "dir:" + os.path.normpath(os.path.join(base, p)) + sep + q
+        nodes.append({**n, "url": url})
+    out["nodes"] = nodes
+    return out
+
+
+# -- finding and reading --------------------------------------------------------------
+def list_backups(nodes: Sequence[ObjectNode]) -> list[dict]:
+    """Every complete backup on these nodes (newest last), from their manifests."""
+    numbers: set[int] = set()
+    for node in nodes:
+        try:
+            for cid, _size, _mtime in node.list():
+                if is_backup_id(cid):
+                    number, piece = parse_id(cid)
+                    if piece == MANIFEST_PIECE:
+                        numbers.add(number)
+        except (NodeError, OSError) as e:
+            log.warning("cannot list node %s: %s", node.name, e)
+    out = []
+    for number in sorted(numbers):
+        try:
+            m = json.loads(_read_object(nodes, backup_id(number, MANIFEST_PIECE)))
+        except (BackupError, ValueError) as e:
+            log.warning("backup %d: unreadable manifest: %s", number, e)
+            continue
+        if isinstance(m, dict) and m.get("id") == number:
+            out.append(m)
+    return out
+
+
+def _read_object(nodes: Sequence[ObjectNode], cid: bytes, digest: str | None = None) -> bytes:
+    """A backup object from the first node with a good copy (codec checksum, and the
+    manifest's digest for a piece)."""
+    reasons = []
+    for node in nodes:
+        try:
+            raw = codec.decode(node.get(cid))
+        except ObjectMissing:
+            continue
+        except (NodeError, codec.ChunkFormatError) as e:
+            reasons.append(f"{node.name}: {e}")
+            continue
+        if digest is not None and xxhash.xxh3_128_hexdigest(raw) != digest:
+            reasons.append(f"{node.name}: content does not match the manifest")
+            continue
+        return raw
+    number, piece = parse_id(cid)
+    what = "manifest" if piece == MANIFEST_PIECE else f"piece {piece}"
+    raise BackupError(
+        f"backup {number}: {what} is on no node" + (f" ({'; '.join(reasons)})" if reasons else "")
+    )
+
+
+class _PieceReader(io.RawIOBase):
+    """The dump stream of a backup, a piece in memory at a time."""
+
+    def __init__(self, nodes: Sequence[ObjectNode], manifest: dict) -> None:
+        self.nodes = nodes
+        self.m = manifest
+        self.i = 0
+        self.cur = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self.cur:
+            if self.i >= len(self.m["pieces"]):
+                return 0
+            p = self.m["pieces"][self.i]
+            self.cur = memoryview(
+                _read_object(self.nodes, backup_id(self.m["id"], self.i), p["xxh128"])
+            )
+            self.i += 1
+        n = min(len(b), len(self.cur))
+        b[:n] = self.cur[:n]
+        self.cur = self.cur[n:]
+        return n
+
+
+def backup_stream(nodes: Sequence[ObjectNode], manifest: dict) -> IO[bytes]:
+    return io.BufferedReader(_PieceReader(nodes, manifest), 1 << 20)
+
+
+def backup_named(nodes: Sequence[ObjectNode], candidates: set[bytes]) -> set[bytes]:
+    """Which of these chunk ids a kept backup names (gc must not delete their objects).
+
+    Reads only each backup's `chunks` table (the dump's first), and keeps only ids among
+    the candidates: memory is bounded by what gc was about to delete."""
+    named: set[bytes] = set()
+    if not candidates:
+        return named
+    for m in list_backups(nodes):
+        rows = iter_table(read_records(backup_stream(nodes, m)), "chunks")
+        for row in rows:
+            cid = bytes(row[0])
+            if cid in candidates:
+                named.add(cid)
+    return named
+
+
+# -- settings and automatic backups ---------------------------------------------------
+def backup_settings(meta: Any) -> dict:
+    """The volume's backup_interval (seconds; 0 turns automatic backups off) and
+    backup_keep, from its config (set at format, or by `ckptfs meta backup --every`)."""
+    cfg = meta.get_config()
+    return {
+        "interval": float(cfg.get("backup_interval", BACKUP_INTERVAL)),
+        "keep": int(cfg.get("backup_keep", BACKUP_KEEP)),
+    }
+
+
+def backup_due(vol: Any, now: float | None = None) -> bool:
+    """Is an automatic backup due (the newest backup on the nodes is older than the
+    interval)? Listing the nodes costs a walk of every object: callers ask rarely."""
+    interval = backup_settings(vol.meta)["interval"]
+    if interval <= 0:
+        return False
+    now = time.time() if now is None else now
+    newest = max((m["created"] for m in list_backups(vol.store.nodes)), default=0.0)
+    return now - newest >= interval
+
+
+def maybe_backup(vol: Any) -> dict | None:
+    """Take a backup if one is due; a failure is logged, never raised (the caller is a
+    mount or a command doing other work)."""
+    try:
+        if backup_due(vol):
+            return create_backup(vol)
+    except Exception as e:  # noqa: BLE001 - a failed backup must not fail the caller
+        log.warning("automatic metadata backup failed: %s", e)
+    return None
+
+
+# -- restoring ------------------------------------------------------------------------
+@dataclass
+class RestoreReport:
+    backup: int = 0
+    path: str = ""
+    files: int = 0
+    checkpoints: int = 0
+    chunks: int = 0
+    missing_chunks: list[str] = field(default_factory=list)  # named, on no node
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def node_infos(urls: Sequence[str], manifest: dict | None = None) -> list[NodeInfo]:
+    """Nodes for URLs given on the command line. With a manifest, node i keeps the name
+    and failure domain it had in the backed-up volume (placement hashes names), so give
+    the nodes in the volume's order."""
+    known = (manifest or {}).get("nodes") or []
+    out = []
+    for i, url in enumerate(urls):
+        name = known[i]["name"] if i < len(known) else f"n{i}"
+        info = parse_node_url(url, name=name)
+        if i < len(known) and "domain=" not in url:
+            info = NodeInfo(info.name, info.url, known[i]["domain"])
+        if info.url.startswith("dir:") and not os.path.isabs(info.url[4:].partition("?")[0]):
+            p, sep, q = info.url[4:].partition("?")
+            info = NodeInfo(info.name, "dir:" + os.path.abspath(p) + sep + q, info.domain)
+        out.append(info)
+    return out
+
+
+def open_nodes(urls: Sequence[str], manifest: dict | None = None) -> list[ObjectNode]:
+    return [open_node(i) for i in node_infos(urls, manifest)]
+
+
+def choose(backups: list[dict], wanted: int | None) -> dict:
+    if not backups:
+        raise BackupError("no backup found on these nodes")
+    if wanted is None:
+        return backups[-1]
+    for m in backups:
+        if m["id"] == wanted:
+            return m
+    have = ", ".join(str(m["id"]) for m in backups)
+    raise BackupError(f"no backup {wanted} on these nodes (have {have})")
+
+
+def restore(
+    path: str,
+    node_urls: Sequence[str],
+    *,
+    backup: int | None = None,
+    db: str | None = None,
+    volume_file: str = "volume.json",
+) -> RestoreReport:
+    """Rebuild a volume at `path` from a backup on these nodes (the newest, or `backup`).
+
+    The new volume's nodes are the given URLs. Chunks the backup names that no node holds
+    are reported (fsck shows them as dangling extents); objects on the nodes that the
+    backup does not name are left alone (gc deletes them after its grace period)."""
+    t0 = time.monotonic()
+    path = os.path.abspath(path)
+    if os.path.exists(os.path.join(path, volume_file)):
+        raise BackupError(f"{path} already holds a volume")
+    probe = open_nodes(node_urls)
+    try:
+        m = choose(list_backups(probe), backup)
+    finally:
+        for n in probe:
+            n.close()
+    infos = node_infos(node_urls, m)
+    nodes = [open_node(i) for i in infos]
+    meta_url = db or "sqlite:meta.db"
+    fresh = not os.path.exists(path)
+    engine = None
+    rep = RestoreReport(backup=m["id"], path=path)
+
+    def new_config(cfg: dict) -> dict:
+        cfg = dict(cfg)
+        cfg["nodes"] = [{"name": i.name, "url": i.url, "domain": i.domain} for i in infos]
+        if cfg.get("replicas", 1) > len(nodes):
+            raise BackupError(f"the volume keeps {cfg['replicas']} replicas: give that many nodes")
+        return cfg
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        engine = open_engine(meta_url, path)
+        out = load_dump(engine, read_records(backup_stream(nodes, m)), config_fn=new_config)
+        rep.files, rep.checkpoints = out["files"], out["checkpoints"]
+        rep.chunks = out["rows"].get("chunks", 0)
+        rep.missing_chunks = [c.hex() for c in _missing(engine, nodes)]
+        tmp = os.path.join(path, volume_file + ".tmp")
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
+            json.dump({"format": 1, "meta": meta_url}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, os.path.join(path, volume_file))
+    except BaseException as e:
+        if engine is not None:
+            engine.close()
+            engine = None
+        if fresh:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            for name in ("meta.db", "meta.db-wal", "meta.db-shm", volume_file + ".tmp"):
+                try:
+                    os.unlink(os.path.join(path, name))
+                except OSError:
+                    pass
+        if isinstance(e, DumpError):
+            raise BackupError(f"backup {m['id']}: {e}") from None
+        raise
+    finally:
+        if engine is not None:
+            engine.close()
+        for n in nodes:
+            n.close()
+    rep.seconds = round(time.monotonic() - t0, 3)
+    return rep
+
+
+def _missing(engine: Any, nodes: Sequence[ObjectNode]) -> Iterator[bytes]:
+    """Chunk rows (not inline) that no node holds: a listing of every node, kept as a set
+    of ids that are also rows, checked a batch of rows at a time."""
+    held: set[bytes] = set()
+    for node in nodes:
+        try:
+            held.update(cid for cid, _s, _m in node.list() if not is_backup_id(cid))
+        except (NodeError, OSError) as e:
+            log.warning("cannot list node %s: %s", node.name, e)
+    with engine.snapshot() as snap:
+        for rows in snap.rows("chunks", ["id", "state"], 4096):
+            for cid, state in rows:
+                if state != INLINE and bytes(cid) not in held:
+                    yield bytes(cid)

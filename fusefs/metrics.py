@@ -1,0 +1,348 @@
+"""Prometheus metrics of the ckptfs daemons (`ckptfs mount --metrics`, `ckptfs meta serve
+--metrics`): collectors that read plain counters at scrape time, and the HTTP endpoint.
+
+Why collectors and not prometheus_client's Counter objects on the hot paths: a FUSE write,
+a chunk store or a service reply then pays an integer add on an object it already holds
+(CkptFS, FileCache, ChunkSink, NodeHealth, WriteBehindTier, ServiceStats), with no lock
+and no import of a metrics library below fusefs (chunkstore and metadata import neither
+this module nor prometheus_client). The scrape, in the endpoint's own thread, reads them
+and builds the families; gauges that need a lock (the tier's) take it only then.
+
+Every metric is named ckptfs_*, and no label takes an unbounded set of values: FUSE
+operations, request methods (unknown ones are "unknown"), errno names, the volume's node
+names (fixed by its config), where a chunk went. Never paths, chunk ids or ranks. The
+README's "Metrics" section lists them all; docs/grafana-ckptfs.json graphs the first ones
+an operator opens.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Callable, Iterable, Iterator
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from prometheus_client import start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector, CollectorRegistry
+
+PREFIX = "ckptfs_"
+
+
+class MetricsError(Exception):
+    """The metrics endpoint cannot start (a taken port, a bad address): one line."""
+
+
+def _counter(name: str, doc: str, value: float | None = None, labels=()) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
+
+
+def _gauge(name: str, doc: str, value: float | None = None, labels=()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
+
+
+class MountCollector(Collector):
+    """The FUSE side of a mount: requests, bytes, dirty data, the chunk read cache.
+    `attach(fs)` once the CkptFS exists (fusefs.mount.fs.serve's on_start)."""
+
+    def __init__(self) -> None:
+        self.fs: Any = None
+
+    def attach(self, fs: Any) -> None:
+        self.fs = fs
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        fs = self.fs
+        if fs is None:
+            return
+        req = _counter("fuse_requests", "FUSE requests by operation", labels=["op"])
+        for op, n in sorted(dict(fs.op_counts).items()):
+            req.add_metric([op], n)
+        yield req
+        err = _counter("fuse_errors", "FUSE requests answered with an error", labels=["op"])
+        for op, n in sorted(dict(fs.op_errors).items()):
+            err.add_metric([op], n)
+        yield err
+        nbytes = _counter("fuse_bytes", "Bytes read and written through FUSE", labels=["op"])
+        nbytes.add_metric(["read"], fs.bytes_read)
+        nbytes.add_metric(["write"], fs.bytes_written)
+        yield nbytes
+        yield _gauge("fuse_open_files", "Open file handles", len(fs.handles))
+        cache = fs.cache
+        if cache is None:
+            return
+        yield _gauge(
+            "fuse_dirty_bytes", "Written bytes not yet sealed into chunks", cache.dirty_bytes
+        )
+        yield _gauge("fuse_storing_bytes", "Sealed bytes being stored", cache.inflight_bytes)
+        yield _counter(
+            "fuse_read_cache_hits", "Chunk reads served by the mount's cache", cache.cache_hits
+        )
+        yield _counter(
+            "fuse_read_cache_misses", "Chunk reads that fetched the chunk", cache.cache_misses
+        )
+        yield _gauge(
+            "fuse_read_cache_bytes", "Bytes held by the mount's chunk cache", cache._cached_bytes
+        )
+
+
+class VolumeCollector(Collector):
+    """The volume client, the host write-behind tier and the object nodes of the volumes
+    `volumes()` returns (summed: a daemon serves one volume)."""
+
+    def __init__(self, volumes: Callable[[], Iterable[Any]]) -> None:
+        self.volumes = volumes
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        vols = list(self.volumes())
+        if not vols:
+            return
+        yield from self._client(vols)
+        yield from self._nodes(vols)
+        tiers = [v.tier for v in vols if v.tier is not None]
+        if tiers:
+            yield from self._tier([t.stats() for t in tiers])
+
+    @staticmethod
+    def _client(vols: list[Any]) -> Iterator[Metric]:
+        sinks = [v.sink for v in vols]
+
+        def total(attr: str) -> int:
+            return sum(getattr(s, attr) for s in sinks)
+
+        yield _counter(
+            "client_chunks", "Chunks handed to the chunk sink by writers", total("chunks_in")
+        )
+        yield _counter(
+            "client_logical_bytes", "Bytes written by writers (before dedup)", total("bytes_in")
+        )
+        yield _counter(
+            "client_dedup_hits", "Chunks already stored (not written again)", total("dedup_hits")
+        )
+        yield _counter(
+            "client_dedup_bytes", "Bytes of the chunks already stored", total("dedup_bytes")
+        )
+        puts = _counter(
+            "client_chunk_puts", "New chunks stored, by where they went", labels=["where"]
+        )
+        for where in ("inline", "tier", "nodes"):
+            puts.add_metric([where], total("puts_" + where))
+        yield puts
+        yield _counter("client_stored_bytes", "Bytes written for new chunks", total("stored_bytes"))
+        yield _counter(
+            "client_bad_replicas",
+            "Chunk replicas that failed verification on read (served from another)",
+            sum(v.store.bad_replicas_seen for v in vols),
+        )
+
+    @staticmethod
+    def _nodes(vols: list[Any]) -> Iterator[Metric]:
+        errors = _counter("node_errors", "Failed requests to an object node", labels=["node"])
+        open_ = _gauge(
+            "node_breaker_open", "1 while a node's circuit breaker is open", labels=["node"]
+        )
+        streak = _gauge(
+            "node_consecutive_failures", "Failures since the node's last success", labels=["node"]
+        )
+        now = time.monotonic()
+        for v in vols:
+            for name, h in sorted(v.store.health.items()):
+                errors.add_metric([name], h.errors)
+                open_.add_metric([name], 0 if h.available(now) else 1)
+                streak.add_metric([name], h.failures)
+        yield from (errors, open_, streak)
+
+    @staticmethod
+    def _tier(stats: list[dict]) -> Iterator[Metric]:
+        def total(key: str) -> float:
+            return sum(s[key] or 0 for s in stats)
+
+        oldest = [s["oldest_pending_ns"] for s in stats if s["oldest_pending_ns"]]
+        age = max(0.0, (time.time_ns() - min(oldest)) / 1e9) if oldest else 0.0
+        yield _gauge(
+            "tier_pending_chunks",
+            "Chunks staged here, not yet durable on the nodes",
+            total("pending_chunks"),
+        )
+        yield _gauge(
+            "tier_pending_bytes",
+            "Bytes staged here, not yet durable on the nodes",
+            total("pending_bytes"),
+        )
+        yield _gauge(
+            "tier_to_upload_chunks", "Chunks queued or being uploaded", total("to_upload_chunks")
+        )
+        yield _gauge(
+            "tier_oldest_pending_age_seconds", "Age of the oldest pending chunk (0: none)", age
+        )
+        yield _counter(
+            "tier_uploaded_chunks", "Chunks uploaded to the nodes", total("uploaded_chunks")
+        )
+        yield _counter(
+            "tier_upload_bytes", "Encoded bytes uploaded (once per chunk)", total("uploaded_bytes")
+        )
+        yield _gauge(
+            "tier_upload_rate_bytes_per_second",
+            "Upload rate over the last 10 s",
+            total("upload_rate_bps"),
+        )
+        yield _counter(
+            "tier_upload_failures",
+            "Upload attempts that failed (retried)",
+            total("upload_failures"),
+        )
+        yield _counter(
+            "tier_lost_chunks",
+            "Staged chunks found corrupt, never uploaded (fsck: lost)",
+            total("lost_chunks"),
+        )
+        yield _counter(
+            "tier_writer_waits", "Times a writer waited for staging space", total("writer_waits")
+        )
+        yield _gauge(
+            "tier_used_bytes", "Staging bytes used (staged and cached)", total("used_bytes")
+        )
+        yield _gauge(
+            "tier_cached_bytes", "Staging bytes used by the read cache", total("cached_bytes")
+        )
+        yield _gauge("tier_budget_bytes", "Staging budget", total("budget_bytes"))
+        yield _counter(
+            "tier_cache_hits", "Chunk reads served by the host read cache", total("cache_hits")
+        )
+        yield _counter(
+            "tier_cache_misses", "Chunk reads the host read cache missed", total("cache_misses")
+        )
+
+
+class ServiceCollector(Collector):
+    """The metadata service: replies, latencies, group commits, connections, steps."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.service
+        c = svc.counters
+        req = _counter(
+            "meta_requests",
+            "Requests answered, by method and outcome",
+            labels=["method", "outcome"],
+        )
+        for (method, outcome), n in sorted(dict(c.replies).items()):
+            req.add_metric([method, outcome], n)
+        yield req
+        yield _histogram(
+            "meta_commit_latency_seconds", "commit_rank: arrival to answer", c.commit_latency
+        )
+        yield _histogram(
+            "meta_publish_latency_seconds",
+            "A step's first rank commit to its publish",
+            c.publish_latency,
+        )
+        yield _histogram(
+            "meta_group_commit_ranks", "Rank commits written per group commit", c.batch_ranks
+        )
+        yield _gauge("meta_connections", "Open client connections", svc.connections)
+        yield _counter("meta_checkpoints_published", "Steps published", c.published)
+        yield _counter(
+            "meta_steps_aborted", "Steps aborted (failed rank, request, deadline)", c.aborted
+        )
+        yield _counter(
+            "meta_bad_clients",
+            "Connections dropped for a protocol or token error",
+            svc.stats["bad_clients"],
+        )
+        yield _counter(
+            "meta_hello_evictions",
+            "Connections dropped waiting for their hello",
+            svc.stats["hello_evictions"],
+        )
+
+
+def _histogram(name: str, doc: str, h: Any) -> HistogramMetricFamily:
+    return HistogramMetricFamily(PREFIX + name, doc, buckets=h.cumulative(), sum_value=h.sum)
+
+
+class _Info(Collector):
+    def __init__(self, component: str) -> None:
+        self.component = component
+        try:
+            self.version = version("ckptfs")
+        except PackageNotFoundError:
+            self.version = "unknown"
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        g = _gauge("info", "The daemon serving these metrics", labels=["component", "version"])
+        g.add_metric([self.component, self.version], 1)
+        yield g
+
+
+class MetricsServer:
+    """The /metrics endpoint: an HTTP server in a daemon thread (prometheus_client's),
+    over a registry of its own (the default one would add Python collectors under names
+    that are not ckptfs_*; the process collector here is namespaced)."""
+
+    def __init__(self, host: str, port: int, component: str, collectors: Iterable[Collector]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Info(component))
+        for c in collectors:
+            self.registry.register(c)
+        ProcessCollector(namespace="ckptfs", registry=self.registry)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            why = e.strerror or str(e)
+            if e.errno == errno.EADDRINUSE:
+                why = "the port is taken (another process listens there)"
+            raise MetricsError(f"cannot serve metrics on {host}:{port}: {why}") from None
+        self.host = host
+        self.port = self._httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def serve_mount_metrics(listen: tuple[str, int]) -> tuple[MetricsServer, MountCollector]:
+    """The endpoint of a mount, bound before the mount starts (a taken port fails it
+    first): its FUSE side and its volume appear once `attach`ed to the CkptFS."""
+    mount = MountCollector()
+    volume = VolumeCollector(lambda: [mount.fs.vol] if mount.fs is not None else [])
+    return MetricsServer(listen[0], listen[1], "mount", [mount, volume]), mount
+
+
+def serve_service_metrics(listen: tuple[str, int], service: Any) -> MetricsServer:
+    """The endpoint of `ckptfs meta serve`."""
+    return MetricsServer(listen[0], listen[1], "meta", [ServiceCollector(service)])
+
+
+def serve_process_metrics(listen: tuple[str, int]) -> MetricsServer:
+    """An endpoint for a training process: the volume client and write-behind tier of the
+    volumes its DCP writers and fsspec filesystems opened (fusefs.client.registry)."""
+    from fusefs.client.registry import open_volumes
+
+    return MetricsServer(listen[0], listen[1], "client", [VolumeCollector(open_volumes)])

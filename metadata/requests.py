@@ -1,0 +1,113 @@
+"""Requests applied once: each one's key and outcome, recorded in its own transaction.
+
+A client sends every mutating request with a random key and, when its
+connection breaks before the answer came, sends it again with the same key,
+to whichever service replica it reaches next (client.py). The outcome of a
+key must therefore live where every replica sees it, and change exactly
+when the request's effects do: in the database, written by the transaction
+that applies the request. `run_once` claims the key first thing in that
+transaction (a row in `requests`), runs the engine method inside it, stores
+the answer in the claimed row and commits all of it together:
+
+- the first attempt committed: a retry finds the row and gets the stored
+  answer, nothing runs again (a create retried after its answer was lost is
+  answered with the inode it made, not EEXIST);
+- it rolled back (an error, a crash, a killed service): the claim went with
+  it, so the retry runs it as new;
+- it is still running on another replica: the retry's claim waits on the
+  unique key until that transaction ends, then takes one of the two above.
+
+An error is not recorded: a request that failed changed nothing, and its retry
+runs again. Keys are kept REQUEST_KEEP_S (the client retries for at most
+client.MAX_RETRY, well within it), then `prune_requests` deletes them.
+
+checkpoint commits (commit_rank) do not go through here: they are idempotent
+by content (the rank's digest, in the same transaction as its files), which
+answers a retry the same way and costs nothing per request. Nor do methods
+that are idempotent as they are (begin, abort, delete_checkpoint, mark_durable,
+missing_chunks, ...): see ONCE_METHODS.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from typing import Any
+
+from metadata.engine import MetaError
+from metadata.protocol import decode, encode
+from metadata.txlocks import SCHEMA_LOCK, retried
+
+REQUEST_KEEP_S = 900.0  # seconds a request's key and answer are kept
+
+# Mutating methods whose second run would not answer as the first did (EEXIST, ENOENT,
+# a count of zero) or would undo someone else's change made in between (a file's
+# extents, attributes): a keyed request of these runs through `run_once`.
+ONCE_METHODS = frozenset(
+    {
+        "create", "link", "unlink", "rmdir", "rename", "setattr", "set_xattr",
+        "remove_xattr", "commit_file", "purge_orphans", "retain", "apply_retention",
+        "gc_chunk_rows", "drop_chunk_rows",
+    }
+)  # fmt: skip
+
+_DDL = [
+    "CREATE TABLE IF NOT EXISTS requests (key {blob} PRIMARY KEY, "
+    "created BIGINT NOT NULL, result {blob} NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS requests_created ON requests (created)",
+]
+
+
+class RequestMixin:
+    """Needs SqlEngine's `_tx`, `_read`, `_x`, `_one`, `_lock_named`, `_blob_type`."""
+
+    _tx: Any
+    _x: Any
+    _one: Any
+    _lock_named: Any
+    _blob_type: Any
+    _has: Any
+    _req_ready = False
+
+    def _ensure_requests(self, c: Any) -> None:
+        """The table, made on first use (volumes made before it need no migration)."""
+        if not self._req_ready:
+            if not self._has(c, "requests", "*"):  # else no DDL, and no lock to wait for
+                self._lock_named(c, SCHEMA_LOCK)
+                for stmt in _DDL:
+                    self._x(c, stmt.format(blob=self._blob_type()))
+            self._req_ready = True
+
+    @retried
+    def run_once(self, key: bytes, method: str, args: list, kwargs: dict) -> Any:
+        """Apply `method(*args, **kwargs)` once for `key`, whoever asks and how often: the
+        first committed outcome is every later call's answer (module docstring)."""
+        if method not in ONCE_METHODS:
+            raise MetaError(errno.EINVAL, f"{method} is not run through the request table")
+        if not isinstance(key, bytes) or not 8 <= len(key) <= 64:
+            raise MetaError(errno.EINVAL, "a request key is 8 to 64 bytes")
+        fn = getattr(self, method)
+        with self._tx() as c:
+            self._ensure_requests(c)
+            claim = self._x(
+                c,
+                "INSERT INTO requests (key, created, result) VALUES (?, ?, ?) "
+                "ON CONFLICT (key) DO NOTHING",
+                (key, time.time_ns(), b""),
+            )
+            if claim.rowcount != 1:  # applied before (or just now, elsewhere): its answer
+                row = self._one(c, "SELECT result FROM requests WHERE key = ?", (key,))
+                return decode(bytes(row[0]))
+            result = fn(*args, **kwargs)
+            self._x(c, "UPDATE requests SET result = ? WHERE key = ?", (encode(result), key))
+            return result
+
+    @retried
+    def prune_requests(self, keep_s: float = REQUEST_KEEP_S) -> int:
+        """Forget the requests older than `keep_s` seconds; how many were forgotten."""
+        with self._tx() as c:
+            self._ensure_requests(c)
+            cur = self._x(
+                c, "DELETE FROM requests WHERE created < ?", (time.time_ns() - int(keep_s * 1e9),)
+            )
+            return max(0, cur.rowcount)

@@ -1,0 +1,190 @@
+"""Metadata backups on the nodes, restore from the nodes alone, and SQLite <-> PostgreSQL.
+
+Real subprocesses for the commands a user runs, real DCP saves, a real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fusefs.client.volume import Volume
+from fusefs.dcp import CkptfsReader, CkptfsWriter, close_volumes
+from fusefs.maint import backup as bk
+from fusefs.maint.fsck import check_volume
+from fusefs.maint.gc import gc
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+
+
+def ckptfs(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusefs.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env=env,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"ckptfs {args} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+def _node_urls(tmp_path) -> list[str]:
+    return [f"dir:{tmp_path / 'nodes' / f'n{i}'}" for i in range(3)]
+
+
+def _populate(tmp_path, vol_dir: str, nodes: list[str]) -> dict[str, bytes]:
+    """Files put with `ckptfs put` and a published single-process DCP checkpoint."""
+    ckptfs("format", vol_dir, *[a for u in nodes for a in ("--node", u)])
+    files = {
+        "/data/big.bin": os.urandom(3 * MiB + 17),
+        "/data/small.txt": b"hello backups\n",
+    }
+    for path, data in files.items():
+        local = tmp_path / ("src" + path.replace("/", "_"))
+        local.write_bytes(data)
+        ckptfs("put", vol_dir, str(local), path)
+    sd = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(7)}
+    dcp.save(sd, storage_writer=CkptfsWriter(vol_dir, "train/step-000001"), no_dist=True)
+    close_volumes()
+    return files
+
+
+def test_backup_delete_volume_restore_from_nodes(tmp_path):
+    """The issue's scenario: three dir: nodes outside the volume directory."""
+    nodes = _node_urls(tmp_path)
+    vol_dir = str(tmp_path / "vol")
+    files = _populate(tmp_path, vol_dir, nodes)
+    out = json.loads(ckptfs("meta", "backup", vol_dir, "--json").stdout)
+    assert out["files"] >= 3 and out["checkpoints"] == 1
+
+    shutil.rmtree(vol_dir)  # the volume directory, not the nodes
+    listed = json.loads(ckptfs("meta", "backups", *[a for u in nodes for a in ("--node", u)],
+                               "--json").stdout)  # fmt: skip
+    assert [m["id"] for m in listed] == [out["id"]]
+
+    new = str(tmp_path / "restored")
+    rep = ckptfs("meta", "restore", new, *[a for u in nodes for a in ("--node", u)], "--json")
+    assert json.loads(rep.stdout)["missing_chunks"] == []
+    for path, data in files.items():
+        dest = tmp_path / ("out" + path.replace("/", "_"))
+        ckptfs("get", new, path, str(dest))
+        assert dest.read_bytes() == data
+    steps = json.loads(ckptfs("checkpoints", new, "list", "--json").stdout)
+    assert [(s["job"], s["step"], s["state"]) for s in steps] == [("train", 1, "published")]
+    target = {"w": torch.zeros(300_000), "b": torch.zeros(7)}
+    dcp.load(target, storage_reader=CkptfsReader(new, "train/step-000001"), no_dist=True)
+    close_volumes()
+    assert torch.equal(target["w"], torch.arange(300_000, dtype=torch.float32))
+    assert torch.equal(target["b"], torch.ones(7))
+    fsck = json.loads(ckptfs("fsck", new, "--json").stdout)
+    assert fsck["problems"] == [], fsck
+
+
+def test_missing_chunk_is_reported_by_restore_and_fsck(tmp_path):
+    nodes = _node_urls(tmp_path)
+    vol = Volume.create(str(tmp_path / "vol"), nodes=nodes)
+    vol.write_file("/f.bin", os.urandom(2 * MiB))
+    (ext,) = [e for e in vol.meta.chunk_rows() if e not in vol.inline_chunks([e])]
+    bk.create_backup(vol)
+    for n in vol.store.nodes:  # the chunk gone from every node
+        try:
+            n.delete(ext)
+        except Exception:  # noqa: BLE001 - not placed there
+            pass
+    vol.close()
+    new = str(tmp_path / "new")
+    proc = ckptfs("meta", "restore", new, *[a for u in nodes for a in ("--node", u)], "--json",
+                  check=False)  # fmt: skip
+    assert proc.returncode == 2
+    assert json.loads(proc.stdout)["missing_chunks"] == [ext.hex()]
+    assert "1 chunk(s) the backup names are on no node" in proc.stderr
+    with Volume.open(new) as v:
+        kinds = {p.kind for p in check_volume(v).problems}
+    assert "dangling_extent" in kinds
+
+
+def test_gc_keeps_chunks_a_kept_backup_names(tmp_path):
+    nodes = _node_urls(tmp_path)
+    vol = Volume.create(str(tmp_path / "vol"), nodes=nodes)
+    data = os.urandom(MiB)
+    vol.write_file("/doomed.bin", data)
+    bk.create_backup(vol)
+    vol.unlink("/doomed.bin")
+    rep = gc(vol, grace=0)
+    assert rep.rows_deleted >= 1 and rep.objects_deleted == 0  # rows go, objects stay
+    assert check_volume(vol, grace=0).problems == []  # neither orphans nor backup objects
+    vol.close()
+    new = str(tmp_path / "new")
+    bk.restore(new, nodes)
+    with Volume.open(new) as v:
+        assert v.read_file("/doomed.bin") == data
+    # once the backup is dropped, gc reclaims them
+    with Volume.open(str(tmp_path / "vol")) as v:
+        for m in bk.list_backups(v.store.nodes):
+            bk.drop_backup(v.store.nodes, m)
+        assert gc(v, grace=0).objects_deleted >= 1
+
+
+def test_backups_keep_the_newest(tmp_path):
+    vol = Volume.create(str(tmp_path / "vol"), nodes=_node_urls(tmp_path))
+    vol.write_file("/x", b"x" * 100)
+    ids = [bk.create_backup(vol, keep=2)["id"] for _ in range(3)]
+    assert [m["id"] for m in bk.list_backups(vol.store.nodes)] == ids[1:]
+    vol.close()
+
+
+def test_sqlite_dump_loads_into_postgresql(tmp_path, pg_url):
+    nodes = _node_urls(tmp_path)
+    vol_dir = str(tmp_path / "vol")
+    files = _populate(tmp_path, vol_dir, nodes)
+    dump = str(tmp_path / "meta.ckd")
+    ckptfs("meta", "dump", vol_dir, dump)
+    new = str(tmp_path / "pg")
+    ckptfs("meta", "load", dump, new, "--db", pg_url)
+    for path, data in files.items():
+        dest = tmp_path / ("pg" + path.replace("/", "_"))
+        ckptfs("get", new, path, str(dest))
+        assert dest.read_bytes() == data
+    steps = json.loads(ckptfs("checkpoints", new, "list", "--json").stdout)
+    assert [(s["job"], s["step"], s["state"]) for s in steps] == [("train", 1, "published")]
+    target = {"w": torch.zeros(300_000), "b": torch.zeros(7)}
+    dcp.load(target, storage_reader=CkptfsReader(new, "train/step-000001"), no_dist=True)
+    close_volumes()
+    assert torch.equal(target["w"], torch.arange(300_000, dtype=torch.float32))
+    # the PostgreSQL volume takes new files (identity sequences moved past the loaded keys)
+    with Volume.open(new) as v:
+        v.write_file("/data/after.bin", b"new")
+        assert v.read_file("/data/after.bin") == b"new"
+        assert check_volume(v).problems == []
+    # and back: PostgreSQL -> dump -> SQLite
+    back = str(tmp_path / "meta2.ckd")
+    ckptfs("meta", "dump", new, back)
+    ckptfs("meta", "load", back, str(tmp_path / "sq"))
+    with Volume.open(str(tmp_path / "sq")) as v:
+        assert v.read_file("/data/big.bin") == files["/data/big.bin"]
+        assert v.read_file("/data/after.bin") == b"new"
+
+
+def test_load_refuses_a_corrupt_dump_and_leaves_nothing(tmp_path):
+    vol = Volume.create(str(tmp_path / "vol"), nodes=_node_urls(tmp_path))
+    vol.write_file("/x", os.urandom(300_000))
+    vol.close()
+    dump = tmp_path / "d.ckd"
+    ckptfs("meta", "dump", str(tmp_path / "vol"), str(dump))
+    dump.write_bytes(dump.read_bytes()[:-20])
+    proc = ckptfs("meta", "load", str(dump), str(tmp_path / "new"), check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and "ckptfs: error:" in proc.stderr
+    assert not os.path.exists(tmp_path / "new")
