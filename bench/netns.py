@@ -250,6 +250,10 @@ class Fabric:
             raise NetnsError(f"{addr} is outside {NETWORK}")
         m = Member(name, f"{self.run}-{name}", addr)
         self._add_ns(m.ns)
+        # IPv4 only: no IPv6 link-local addresses, router solicitations or DAD on the bridge
+        _run(["ip", "netns", "exec", m.ns, "sysctl", "-q", "-w",
+              "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"],
+             check=False)  # fmt: skip
         _ip("-n", self.bridge_ns, "link", "add", name, "type", "veth", "peer", "name", "eth0",
             "netns", m.ns)  # fmt: skip
         _ip("-n", self.bridge_ns, "link", "set", name, "master", "br0")

@@ -2,9 +2,10 @@
 # System packages ckptfs needs on Debian: FUSE 3 (mount + headers for pyfuse3),
 # PostgreSQL (the scale-out metadata engine and its tests), rclone (a peer the
 # FUSE benchmark compares against), openssl (test certificates for the service's
-# TLS). Idempotent; skips apt when all are present.
+# TLS), iproute2 (`ip netns`, `tc`: the `ckptfs bench --topology netns` fleet). Idempotent;
+# skips apt when all are present.
 set -euo pipefail
-pkgs=(fuse3 libfuse3-dev pkg-config postgresql rclone rsync openssl)
+pkgs=(fuse3 libfuse3-dev pkg-config postgresql rclone rsync openssl iproute2)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

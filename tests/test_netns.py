@@ -218,6 +218,27 @@ def test_fabric_shapes_cuts_heals_and_leaves_nothing():
 
 
 @needs_netns
+def test_namespaces_of_a_killed_run_are_swept():
+    """A coordinator SIGKILLed cannot tear down: the next run removes what it left."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid no process has now
+    ns = f"{netns.NAME_PREFIX}{dead.pid}x0000-h0"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    sleeper = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"])
+    try:
+        time.sleep(0.3)
+        assert ns in netns.list_namespaces()
+        assert ns in netns.sweep_stale()
+        assert ns not in netns.list_namespaces()
+        assert sleeper.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@needs_netns
 @needs_weed
 def test_a_failed_netns_run_leaves_nothing(tmp_path):
     before, mine = _root_links(), _netns_of_this_thread()
@@ -234,7 +255,8 @@ def test_a_failed_netns_run_leaves_nothing(tmp_path):
 
 @needs_netns
 @needs_weed
-def test_ctrl_c_tears_the_fleet_down(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_tears_the_fleet_down(tmp_path, sig):
     before = _root_links()
     proc = subprocess.Popen(
         [sys.executable, "-m", "fusefs.cli", "bench", "--embedded", "--topology", "netns",
@@ -251,7 +273,7 @@ def test_ctrl_c_tears_the_fleet_down(tmp_path):
             if line.startswith("step 1:") or time.monotonic() > end:
                 break
         assert any(line.startswith("step 1:") for line in lines), "".join(lines)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -329,6 +351,25 @@ def test_netns_fleet_run_with_every_fault(tmp_path):
     assert topo["link"]["delay_applied"] or any("netem" in n for n in topo["notes"])
     assert _leftovers(f"ckb{os.getpid()}x", [str(tmp_path), f"ckb{os.getpid()}x"], before) == []
     assert time.monotonic() - t0 < 110, "the CI-size fleet run must stay well under 2 minutes"
+
+
+@needs_netns
+@needs_weed
+def test_netns_keeps_the_old_faults(tmp_path):
+    """--kill-rank, --kill-node, --slow-rank and --slow-node on the fleet: the killed rank's
+    step aborts with the previous one intact, the dead node's replicas serve."""
+    cfg = HarnessConfig(
+        ranks=16, hosts=2, shard_size=64 * 1024, steps=3, topology="netns", kill_rank=True,
+        kill_node=True, slow_rank=1, slow_node=True, slow_delay=0.5,
+        durability="remote", workdir=str(tmp_path), progress=False, phase_timeout=120,
+    )  # fmt: skip
+    rep = run(cfg, log=lambda _m: None)
+    assert rep["verdict"]["ok"], rep["verdict"]["lines"]
+    s1, s2, s3 = rep["steps"]
+    assert s1["state"] == s3["state"] == "published" and s2["state"] == "aborted"
+    assert s2["killed_ranks"] == [8] and rep["killed_node"] == "n0"
+    assert all(s["verified"] == 16 for s in rep["steps"])
+    assert os.listdir(tmp_path) == []
 
 
 @needs_weed

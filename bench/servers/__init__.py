@@ -36,7 +36,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     root = package_root()
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in parts:
+    installed = os.path.basename(root) in ("site-packages", "dist-packages")
+    if not installed and root not in parts:
         env["PYTHONPATH"] = os.pathsep.join([root, *parts])
     env.update(extra or {})
     return env
@@ -67,17 +68,6 @@ def kill_group(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def terminate(proc: subprocess.Popen, timeout: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout`; always reaped."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=timeout)
 
 
 def tail(path: str, n: int = 400) -> str:
