@@ -77,8 +77,10 @@ BIGINT, rowid keys -> identity columns), so the engines cannot drift apart.
 from __future__ import annotations
 
 import errno
+import logging
 import re
 import threading
+import time
 from typing import Any
 
 import psycopg
@@ -87,6 +89,8 @@ from metadata.engine import MetaError
 from metadata.sqlbase import SqlEngine
 from metadata.sqlite import SCHEMA
 from metadata.txlocks import lock_key
+
+log = logging.getLogger("ckptfs.meta")
 
 _RESERVED = re.compile(
     r'(?<!")\boffset\b(?!")'
@@ -101,33 +105,86 @@ def translate_ddl(stmt: str) -> str:
     return _RESERVED.sub('"offset"', s)
 
 
-class _Conn:
-    """What sqlbase expects of a connection: execute() returning a cursor, executemany()."""
+RECONNECT_WINDOW_S = 120.0  # how long a lost database is waited for before calls fail
 
-    def __init__(self, conn: psycopg.Connection) -> None:
-        self.conn = conn
+
+def _connect(url: str) -> psycopg.Connection:
+    conn = psycopg.connect(url, autocommit=True)
+    # psycopg prepares a statement after 5 runs, and PostgreSQL may then keep a generic
+    # plan chosen while the tables were small: the duplicate-rank check of a group
+    # commit (`rank IN (...)` over ckpt_ranks) went from 5 to 240 ms per 1024 ranks as
+    # a 16k-rank step filled. Plans made for each run's values stay index scans.
+    conn.execute("SET plan_cache_mode = force_custom_plan")
+    return conn
+
+
+class _Conn:
+    """What sqlbase expects of a connection (execute() returning a cursor, executemany()),
+    over a psycopg connection that is opened again when the database restarts.
+
+    A statement that finds the connection broken outside a transaction (a read) is run
+    again on a new connection: on its own it is a whole request. Inside a transaction the
+    error goes up, the transaction is lost with the connection, and `txlocks.retried`
+    runs the whole method again, whose BEGIN (`reopen_if_broken`) reconnects first. A
+    retried request is applied once: its key or its digest is in the database
+    (requests.py), so a COMMIT whose answer was lost is not applied twice."""
+
+    def __init__(self, url: str, in_tx: Any) -> None:
+        self.url = url
+        self._in_tx = in_tx
+        try:
+            self.conn = _connect(url)
+        except psycopg.Error as e:
+            raise MetaError(errno.EIO, f"cannot connect to PostgreSQL: {e}".strip()) from None
+        self.reconnects = 0
 
     def execute(self, sql: str, args: Any = ()) -> psycopg.Cursor:
-        return self.conn.execute(sql, args)
+        try:
+            return self.conn.execute(sql, args)
+        except psycopg.OperationalError:
+            if self._in_tx() or not self.conn.broken:
+                raise
+            self.reconnect()
+            return self.conn.execute(sql, args)
 
     def executemany(self, sql: str, rows: Any) -> None:
         with self.conn.cursor() as cur:
             cur.executemany(sql, rows)
 
+    def reopen_if_broken(self) -> None:
+        if self.conn.broken or self.conn.closed:
+            self.reconnect()
+
+    def reconnect(self) -> None:
+        """A new connection, waiting for the database up to RECONNECT_WINDOW_S (a
+        restart, a failover of its host), with backoff; then MetaError(EIO)."""
+        try:
+            self.conn.close()
+        except psycopg.Error:
+            pass
+        deadline = time.monotonic() + RECONNECT_WINDOW_S
+        delay = 0.05
+        while True:
+            try:
+                self.conn = _connect(self.url)
+            except psycopg.OperationalError as e:
+                if time.monotonic() >= deadline:
+                    raise MetaError(
+                        errno.EIO,
+                        f"PostgreSQL unreachable for {RECONNECT_WINDOW_S:.0f} s: {e}".strip(),
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            self.reconnects += 1
+            log.warning("PostgreSQL connection opened again (%d since start)", self.reconnects)
+            return
+
 
 class PostgresEngine(SqlEngine):
     def __init__(self, url: str) -> None:
         self.url = url
-        try:
-            conn = psycopg.connect(url, autocommit=True)
-        except psycopg.Error as e:
-            raise MetaError(errno.EIO, f"cannot connect to PostgreSQL: {e}".strip()) from None
-        # psycopg prepares a statement after 5 runs, and PostgreSQL may then keep a generic
-        # plan chosen while the tables were small: the duplicate-rank check of a group
-        # commit (`rank IN (...)` over ckpt_ranks) went from 5 to 240 ms per 1024 ranks as
-        # a 16k-rank step filled. Plans made for each run's values stay index scans.
-        conn.execute("SET plan_cache_mode = force_custom_plan")
-        self._conn = _Conn(conn)
+        self._conn = _Conn(url, lambda: self._depth > 0)
         self._lock = threading.RLock()
         self._depth = 0
         self._qcache: dict[str, str] = {}
@@ -207,7 +264,13 @@ class PostgresEngine(SqlEngine):
         return out
 
     # -- locks (see the module docstring) -------------------------------------------
-    _retryable = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+    # conflicts, and a connection lost mid-transaction (the database restarted): the
+    # transaction is gone either way, and runs again from its BEGIN
+    _retryable = (
+        psycopg.errors.DeadlockDetected,
+        psycopg.errors.SerializationFailure,
+        psycopg.OperationalError,
+    )
     _skip_locked = " FOR UPDATE SKIP LOCKED"
     _for_update = " FOR UPDATE"
 
@@ -230,13 +293,20 @@ class PostgresEngine(SqlEngine):
         c.execute(f"SELECT {fn}(%s)", (lock_key("lock", name),)).fetchall()
 
     def _begin(self) -> None:
-        self._conn.conn.execute("BEGIN")
+        self._conn.reopen_if_broken()
+        try:
+            self._conn.conn.execute("BEGIN")
+        except psycopg.OperationalError:
+            if not self._conn.conn.broken:
+                raise
+            self._conn.reconnect()  # the database restarted since the last statement
+            self._conn.conn.execute("BEGIN")
 
     def _end(self, *, commit: bool) -> None:
         conn = self._conn.conn
         if commit:
             conn.execute("COMMIT")
-        elif not conn.closed:
+        elif not conn.closed and not conn.broken:
             conn.execute("ROLLBACK")
 
     # -- dump (metadata/dumpsql.py) --------------------------------------------------
