@@ -287,6 +287,7 @@ def test_wrong_path_is_file_not_found(service):
 def test_wrong_token_is_permission_error(service, tmp_path, monkeypatch):
     bad = tmp_path / "bad.token"
     bad.write_text("not-the-token-of-this-volume\n")
+    bad.chmod(0o600)  # others may not read a token file
     with pytest.raises(PermissionError, match="wrong token"):
         fsspec.open(f"ckptfs://127.0.0.1:{service.port}/x?token_file={bad}", "rb").open()
     for var in ("CKPTFS_TOKEN", "CKPTFS_TOKEN_FILE"):
@@ -301,6 +302,7 @@ def test_wrong_host_is_connection_error(tmp_path, entry_point_site):
         port = s.getsockname()[1]
     token = tmp_path / "t"
     token.write_text("x" * 32)
+    token.chmod(0o600)  # others may not read a token file
     with pytest.raises(
         ConnectionError, match=f"cannot reach the metadata service at 127.0.0.1:{port}"
     ):

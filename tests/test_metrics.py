@@ -132,6 +132,7 @@ def test_service_metrics(tmp_path):
             c.lookup(1, b"no-such-name")
         bad = tmp_path / "bad.token"
         bad.write_text("w" * 32)
+        bad.chmod(0o600)  # others may not read a token file
         with pytest.raises(MetaError, match="wrong token"):
             connect(f"ckptfs://127.0.0.1:{meta_port}?token_file={bad}")
         s = scrape(port)
@@ -151,9 +152,12 @@ def test_service_metrics(tmp_path):
         while value(scrape(port), "ckptfs_meta_connections") != 0:
             assert time.monotonic() < deadline, "the closed connection is still counted"
             time.sleep(0.05)
-        # a second service on the same metrics port fails at start, in one line
+        # a service (of another volume: a SQLite volume runs one) on the same metrics port
+        # fails at start, in one line
+        vol2 = str(tmp_path / "vol2")
+        run_cli("format", vol2, env=dict(os.environ, PYTHONPATH=ROOT), check=True)
         res = run_cli(
-            "meta", "serve", vol, "--listen", "127.0.0.1:0", "--metrics", f"127.0.0.1:{port}",
+            "meta", "serve", vol2, "--listen", "127.0.0.1:0", "--metrics", f"127.0.0.1:{port}",
             env=dict(os.environ, PYTHONPATH=ROOT), timeout=60,
         )  # fmt: skip
         assert res.returncode == 1
