@@ -19,10 +19,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from bench.harness import HarnessConfig, HarnessError, run
     from bench.harness_report import format_table, plot, write_json
 
-    if bool(args.volume) == bool(args.embedded):
+    if args.volume and args.embedded:
         raise HarnessError(
             "give either VOLUME (a volume directory or ckptfs://HOST:PORT) or --embedded"
         )
+    if not args.volume and not args.embedded:
+        # a fleet of its own (netns, or a throwaway PostgreSQL) has no volume to be given
+        if args.topology != "netns" and args.db != "postgres":
+            raise HarnessError(
+                "give either VOLUME (a volume directory or ckptfs://HOST:PORT) or --embedded"
+            )
+        args.embedded = True
     cfg = HarnessConfig(
         volume=None if args.embedded else args.volume,
         ranks=args.ranks,
