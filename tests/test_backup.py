@@ -242,3 +242,19 @@ def test_an_automatic_backup_that_fails_is_retried_later_and_never_raises(tmp_pa
         assert auto.tick(now=time.time() + 120) is None  # retried only after AUTO_RETRY_S
         assert auto.tick(now=time.time() + bk.AUTO_RETRY_S + 1) is not None
         assert auto.taken == 2
+
+
+def test_bench_backup_reports_commit_during_backup(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run(
+        [sys.executable, "-m", "bench.backup", "--files", "200", "--ranks", "32", "--rounds", "1"],
+        capture_output=True, text=True, env=env, cwd=root, timeout=300, check=True,
+    )  # fmt: skip
+    out = json.loads(p.stdout)
+    for key in ("backup_s", "restore_s", "backup_peak_rss_mib", "restore_peak_rss_mib",
+                "backup_bytes_per_extent"):  # fmt: skip
+        assert key in out
+    assert out["commit_during_backup_vs_alone"] > 0
+    (r,) = out["commit_rounds"]
+    assert r["backup_running_at_commit"] and r["state"] == r["alone_state"] == "published"
