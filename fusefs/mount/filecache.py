@@ -1,9 +1,12 @@
 """Per-inode dirty data and the chunk read cache of one mount (trio side).
 
 A file open through the mount is its committed extent list plus, while it is
-written, chunk-size-aligned dirty blocks. Blocks are aligned to the volume's
-chunk size so a file rewritten in place cuts the same chunks as a sequential
-write of it, and unchanged blocks deduplicate.
+written, dirty blocks. Blocks follow the file's layout (fusefs.mount.layout):
+aligned to the volume's chunk size, and for a zip written front to back (what
+torch.save writes) starting at each entry as well, so a file rewritten in place
+cuts the same chunks as a sequential write of it, unchanged blocks deduplicate,
+and an unchanged tensor of a checkpoint maps to the same chunks whatever its
+neighbours did.
 
 A dirty block only remembers which byte ranges were written ("spans"); the
 old content of its gaps is read when the block is sealed, so a sequential
@@ -152,6 +155,7 @@ class FileCache:
         st.attr = attr
         st.size = attr.size
         st.set_extents(extents)
+        st.layout = st.entries = None  # the new content's own cuts, at the next write
         return True
 
     def drop_if_idle(self, st: FileState) -> None:
@@ -161,15 +165,15 @@ class FileCache:
 
     def discard(self, st: FileState) -> None:
         """Forget unflushed data (the file was unlinked and closed)."""
-        for idx, blk in list(st.blocks.items()):
-            self._forget_block(st, idx, blk)
+        for blk in list(st.blocks.values()):
+            self._forget_block(st, blk)
         st.committed = st.version
         st.new_chunks.clear()
 
-    def _forget_block(self, st: FileState, idx: int, blk: DirtyBlock) -> None:
-        if st.blocks.get(idx) is blk:
-            del st.blocks[idx]
-        self._lru.pop((st.ino, idx), None)
+    def _forget_block(self, st: FileState, blk: DirtyBlock) -> None:
+        if st.blocks.get(blk.lo) is blk:
+            del st.blocks[blk.lo]
+        self._lru.pop((st.ino, blk.lo), None)
         self.dirty_bytes -= blk.counted
         blk.counted = 0
 
@@ -177,30 +181,37 @@ class FileCache:
     async def write(self, st: FileState, off: int, data: bytes) -> int:
         if st.error is not None:
             raise FileError(errno.EIO, f"earlier write error on inode {st.ino}: {st.error}")
-        bs = self.block
+        layout = st.layout_for(self.block)
         pos, n = 0, len(data)
         mv = memoryview(data)
         stable = isinstance(data, bytes)  # immutable: blocks may keep views of it
+        cuts = [c for c in st.cut_entries(off, data) if layout.cut_entry(c)]
+        if cuts and cuts[0] == off and off:  # the block before ends here now: it may be whole
+            prev = st.blocks.get(layout.span(off - 1)[0])
+            if prev is not None and prev.covers(off - prev.lo):
+                await self.seal(st, prev)
         while pos < n:
             at = off + pos
-            idx, boff = divmod(at, bs)
-            take = min(n - pos, bs - boff)
-            while idx in st.sealing:  # an overwrite of a block being stored: let it land
-                await self._changed.park()
-            blk = st.blocks.get(idx)
+            while True:
+                lo, hi = layout.span(at)
+                if lo not in st.sealing:
+                    break
+                await self._changed.park()  # an overwrite of a block being stored: let it land
+            take = min(n - pos, hi - at)
+            blk = st.blocks.get(lo)
             if blk is None:
-                blk = st.blocks[idx] = DirtyBlock(st.ino, idx, self.pool)
+                blk = st.blocks[lo] = DirtyBlock(st.ino, lo, self.pool)
             before = blk.nbytes
-            blk.write(boff, mv[pos : pos + take], stable)
+            blk.write(at - lo, mv[pos : pos + take], stable)
             blk.counted += blk.nbytes - before
             self.dirty_bytes += blk.nbytes - before
             if not blk.busy:
-                self._lru[(st.ino, idx)] = blk
-                self._lru.move_to_end((st.ino, idx))
+                self._lru[(st.ino, lo)] = blk
+                self._lru.move_to_end((st.ino, lo))
             pos += take
             st.size = max(st.size, at + take)
             st.touch()
-            if blk.covers(bs):
+            if blk.covers(hi - lo):
                 await self.seal(st, blk)
         while self.dirty_bytes > self.dirty_max and self._lru:
             (ino, _), old = self._lru.popitem(last=False)
@@ -216,11 +227,11 @@ class FileCache:
         if blk.busy:
             return
         blk.busy = True
-        lo = blk.index * self.block
-        self._lru.pop((st.ino, blk.index), None)  # nobody else picks it while we fill
+        lo = blk.lo
+        self._lru.pop((st.ino, lo), None)  # nobody else picks it while we fill
         try:
             for _ in range(16):  # racing writers only shrink the gaps; bounded anyway
-                length = min(self.block, st.size - lo)
+                length = min(self._block_end(st, lo), st.size) - lo
                 gaps = blk.gaps(0, length)
                 if not gaps:
                     break
@@ -229,16 +240,16 @@ class FileCache:
                     old = await self._read_extents(snap, None, lo + s, e - s)
                     blk.fill(s, old)
             else:
-                raise FileError(errno.EIO, f"block {blk.index} of inode {st.ino} kept changing")
+                raise FileError(errno.EIO, f"block at {lo} of inode {st.ino} kept changing")
         except BaseException:
             blk.busy = False
             self._changed.unpark_all()  # a settle waiting for this block seals it itself
             raise
-        if st.blocks.get(blk.index) is not blk:  # discarded meanwhile
+        if st.blocks.get(lo) is not blk:  # discarded meanwhile
             self._changed.unpark_all()
             return
-        length = min(self.block, st.size - lo)
-        self._forget_block(st, blk.index, blk)
+        length = min(self._block_end(st, lo), st.size) - lo
+        self._forget_block(st, blk)
         if length <= 0:
             self._changed.unpark_all()
             return
@@ -250,12 +261,17 @@ class FileCache:
             if len(buf) < length:  # cannot happen: the fill loop leaves no gap below length
                 buf.extend(zeros(length - len(buf)))
             data = memoryview(buf)[:length]
-        st.sealing[blk.index] = data
+        st.sealing[lo] = data
         self.inflight_bytes += length
-        self.nursery.start_soon(self._store, st, blk.index, data, buf)
+        self.nursery.start_soon(self._store, st, lo, data, buf)
+
+    def _block_end(self, st: FileState, lo: int) -> int:
+        """Where the block starting at `lo` ends, by the file's current layout (a cut
+        added since the block was made, always past its data, may have shortened it)."""
+        return st.layout_for(self.block).span(lo)[1]
 
     async def _store(
-        self, st: FileState, idx: int, data: memoryview | Pieces, buf: bytearray | Pieces
+        self, st: FileState, lo: int, data: memoryview | Pieces, buf: bytearray | Pieces
     ) -> None:
         try:
             # One worker call per block: hash, "is it known?", store. Separate calls for the
@@ -266,40 +282,39 @@ class FileCache:
                 self._hash_and_store, data, limiter=self.store_limiter
             )
         except Exception as e:  # the writer learns it at flush/fsync/close
-            log.error("storing block %d of inode %d failed: %s", idx, st.ino, e)
+            log.error("storing the block at %d of inode %d failed: %s", lo, st.ino, e)
             st.error = e
-            self._requeue(st, idx, data)
+            self._requeue(st, lo, data)
         else:
-            lo = idx * self.block
             st.set_extents(splice(st.extents, lo, lo + len(data), [Extent(lo, len(data), cid, 0)]))
             if rec is not None:
                 st.new_chunks[cid] = rec
                 if len(st.new_chunks) > st.records_max:
                     st.drop_superseded_inline()
         finally:
-            st.sealing.pop(idx, None)
+            st.sealing.pop(lo, None)
             self.inflight_bytes -= len(data)
             data.release()
             if isinstance(buf, bytearray):
                 self.pool.put(buf)
             self._changed.unpark_all()
 
-    def _requeue(self, st: FileState, idx: int, data: memoryview | Pieces | bytes) -> None:
-        """A block whose store failed goes back as dirty, whole (called while its index is
+    def _requeue(self, st: FileState, lo: int, data: memoryview | Pieces | bytes) -> None:
+        """A block whose store failed goes back as dirty, whole (called while its offset is
         still in `st.sealing`, so no newer block for it exists). The commit that reports the
         error clears it and the next one stores the block again: a metadata service down
         past the client's retry window used to mark the file failed for good, and its data
         was dropped at unmount even after the service came back."""
         if st.attr.nlink <= 0 and st.opens <= 0:
             return  # unlinked and closed meanwhile: nobody can read it back
-        blk = DirtyBlock(st.ino, idx)
+        blk = DirtyBlock(st.ino, lo)
         pos = 0
         for part in parts_of(data):  # copied: the sealed buffer goes back to the pool
             blk.write(pos, part)
             pos += len(part)
         blk.counted = blk.nbytes
         self.dirty_bytes += blk.nbytes
-        st.blocks[idx] = blk
+        st.blocks[lo] = blk
 
     def _hash_and_store(self, data: memoryview | Pieces) -> tuple[bytes, NewChunk | None]:
         """Worker thread: the block through the volume's chunk sink in one call."""
@@ -371,16 +386,15 @@ class FileCache:
         Saves the small-file close two trips between the trio thread and the workers."""
         if st.error is not None or st.sealing or len(st.blocks) != 1 or st.size > SMALL_COMMIT:
             return False
-        ((idx, blk),) = st.blocks.items()
-        lo = idx * self.block
+        ((lo, blk),) = st.blocks.items()
         length = st.size - lo
-        if blk.busy or idx != 0 or length <= 0 or blk.gaps(0, length):
-            return False
-        self._forget_block(st, idx, blk)
+        if blk.busy or lo != 0 or length <= 0 or blk.gaps(0, length):
+            return False  # (a block with no gap up to the size holds the whole file)
+        self._forget_block(st, blk)
         data = bytes(blk.buf[:length])
         if isinstance(blk.buf, bytearray):
             self.pool.put(blk.buf)
-        st.sealing[idx] = memoryview(data)
+        st.sealing[lo] = memoryview(data)
         version, size, mtime_ns = st.version, st.size, st.mtime_ns
         chunks = st.records()
         base = st.extents
@@ -412,10 +426,10 @@ class FileCache:
                 cid, rec, attr = await trio.to_thread.run_sync(work, limiter=self.store_limiter)
         except Exception as e:  # the store failed: like a failed background store
             log.error("storing the block of inode %d failed: %s", st.ino, e)
-            self._requeue(st, idx, data)  # reported here, retried by the next commit
+            self._requeue(st, lo, data)  # reported here, retried by the next commit
             raise FileError(errno.EIO, f"write error on inode {st.ino}: {e}") from None
         finally:
-            st.sealing.pop(idx, None)
+            st.sealing.pop(lo, None)
             self._changed.unpark_all()
         st.set_extents(splice(st.extents, lo, lo + length, [Extent(lo, length, cid, 0)]))
         if isinstance(attr, Exception):
@@ -472,20 +486,16 @@ class FileCache:
             return b""
         end = off + size
         # Snapshot newer data first, so a store landing while we fetch cannot hide it.
-        bs = self.block
+        # (Every held block is looked at: a handful, and only while the file is written.)
         layers: list[tuple[int, bytes]] = []
-        for idx in range(off // bs, (end - 1) // bs + 1):
-            if idx in st.sealing:  # copied: the buffer goes back to the pool once stored
-                lo, buf = idx * bs, st.sealing[idx]
-                s, e = max(lo, off), min(lo + len(buf), end)
-                if s < e:
-                    layers.append((s, bytes(buf[s - lo : e - lo])))
+        for lo, buf in st.sealing.items():  # copied: the buffer goes back to the pool
+            s, e = max(lo, off), min(lo + len(buf), end)
+            if s < e:
+                layers.append((s, bytes(buf[s - lo : e - lo])))
         spans: list[tuple[int, bytes]] = []
-        for idx in range(off // bs, (end - 1) // bs + 1):
-            blk = st.blocks.get(idx)
-            if blk is None:
+        for lo, blk in st.blocks.items():
+            if lo >= end or lo + blk.nbytes <= off:
                 continue
-            lo = idx * bs
             for a, b in blk.spans:
                 s, e = max(lo + a, off), min(lo + b, end)
                 if s < e:

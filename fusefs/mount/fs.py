@@ -43,7 +43,6 @@ import pyfuse3
 import trio
 
 from chunkstore.store import ChunkStoreError
-from fusefs.client.extents import clip
 from fusefs.client.volume import Volume
 from fusefs.mount.blocks import FileError, FileState
 from fusefs.mount.filecache import FileCache
@@ -290,8 +289,7 @@ class CkptFS(pyfuse3.Operations):
             new = await self._local_call("setattr", inode, **kw)
         if st is not None:
             if fields.update_size:
-                st.size = new.size
-                st.set_extents(clip(st.extents, new.size))
+                st.truncated(new.size)
             st.attr = new
         if fields.update_size:
             self.page_gen[inode] = new.generation
@@ -572,8 +570,7 @@ class CkptFS(pyfuse3.Operations):
     async def _truncate(self, st: FileState, size: int) -> None:
         await self.cache.commit(st)
         new = await self.meta(lambda: self.vol.meta.setattr(st.ino, size=size))
-        st.size = new.size
-        st.set_extents(clip(st.extents, size))
+        st.truncated(new.size)
         st.attr = new
 
     @handler
