@@ -115,6 +115,24 @@ class Pieces:
             pos += len(parts[-1])
         return Pieces(parts)
 
+    def split(self, n: int) -> Pieces:
+        """Keep the first n bytes; return the rest as views (no copy)."""
+        head: list[memoryview] = []
+        rest: list[memoryview] = []
+        pos = 0
+        for p in self.parts:
+            if pos + len(p) <= n:
+                head.append(p)
+            elif pos >= n:
+                rest.append(p)
+            else:
+                head.append(p[: n - pos])
+                rest.append(p[n - pos :])
+            pos += len(p)
+        self.parts = head
+        self.n = min(n, self.n)
+        return Pieces(rest)
+
     def release(self) -> None:
         self.parts = []
 
@@ -188,6 +206,21 @@ class DirtyBlock:
             buf[pos : pos + len(p)] = p
             pos += len(p)
         self.buf = buf
+
+    def split(self, rel: int) -> DirtyBlock:
+        """Move the bytes at and past `rel` into a new block that starts there: a cut
+        made after they were placed (a zip entry known to be big only once its first
+        bytes came). Pieces stay views; a buffer's tail is copied (less than a block)."""
+        tail = DirtyBlock(self.ino, self.lo + rel)
+        tail.spans = [[max(a, rel) - rel, b - rel] for a, b in self.spans if b > rel]
+        self.spans = [[a, min(b, rel)] for a, b in self.spans if a < rel]
+        buf = self.buf
+        if isinstance(buf, Pieces):
+            tail.buf = buf.split(rel)
+        else:
+            tail.buf = bytearray(buf[rel:])
+            del buf[rel:]
+        return tail
 
     def _add_span(self, s: int, e: int) -> None:
         spans = self.spans
@@ -310,19 +343,17 @@ class FileState:
         return self.layout
 
     def cut_entries(self, off: int, data: bytes) -> list[int]:
-        """Cuts at the zip entries this append holds (torch.save files), for the layout.
+        """Where to cut this file for the zip entries this append completes or reveals
+        (torch.save files; fusefs.mount.layout), in order; some may lie below `off`.
 
         A file written from byte 0 whose first bytes are a zip local header is followed,
-        append by append, by ZipEntries; any other write stops it for good. A cut is kept
-        only at or past `off`: everything below it is placed in blocks already."""
+        append by append, by ZipEntries; any other write stops it for good."""
         entries = self.entries
         if entries is None:
             if off != 0 or self.size != 0 or data[:4] != ZIP_LOCAL:
                 return []
             entries = self.entries = ZipEntries()
-        if entries.done:
-            return []
-        return [c for c in entries.feed(off, data) if c >= off]
+        return entries.feed(off, data)
 
     def truncated(self, size: int) -> None:
         """The file was truncated (or extended) to `size`: its extents, cuts and size.

@@ -7,19 +7,24 @@ and then every chunk size after it, up to the next cut:
 
 An ordinary file has the one cut 0: fixed, chunk-size-aligned blocks, as before (the
 volume's chunking). A zip archive written front to back, which is what `torch.save`
-writes, gets a cut at each of its entries (`ZipEntries`): each tensor's storage is an
-entry, so an unchanged tensor is cut into the same chunks whatever its neighbours did,
-and a step that changes 2 of 20 tensors stores those two, not the chunks they share with
-their neighbours (with fixed 4 MiB chunks a changed tensor dragged up to two neighbouring
-chunks along: 1.4-1.7x the changed bytes).
+writes, is cut where each entry's data begins and ends (`ZipEntries`): each tensor's
+storage is an entry, so an unchanged tensor maps to the same chunks whatever its
+neighbours did, and a step that changes 2 of 20 tensors stores those two, not the chunks
+they share with their neighbours (with fixed 4 MiB chunks a changed tensor dragged up to
+two neighbouring chunks along: 1.4-1.7x the changed bytes). The bytes between two
+entries' data (a data descriptor, the next local header with its name and padding) are a
+small chunk of their own: they change with the CRC of the data and with the archive's
+name, which torch.save takes from the file name (`step-100/data/0`), so data chunks that
+held them would differ at every step. Entries with less than ENTRY_MIN bytes of data get
+no cuts: they stay with the records around them (byte order, version, a step counter).
 
-Cuts are only ever added at or past the end of what the file holds (the entry parser runs
-on appends before their bytes are placed), so a cut never splits a block that holds data:
-whatever the layout, a block is a plain byte range and the extents stay exact. Entries
-smaller than ENTRY_MIN are grouped with the entries after them (a zip's tiny records,
-byte order and version, do not each become a chunk). A file opened again takes its cuts
-from its committed extents (`Layout.of_extents`), so a rewrite in place cuts the same
-chunks as the first write did.
+A cut is made before the bytes at it are placed in a block, or, when an entry turns out
+big only after its first bytes were placed, by splitting the block that holds them while
+it is still dirty (`FileCache._cut`); a block being stored is never split (the cut is then
+skipped, which costs deduplication, not correctness). Whatever the layout, a block is a
+plain byte range and the extents stay exact. A file opened again takes its cuts from its
+committed extents (`Layout.of_extents`), so a rewrite in place cuts the same chunks as the
+first write did.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import struct
 
 from metadata.engine import Extent
 
-ENTRY_MIN = 16 * 1024  # a cut at an entry needs this many bytes since the previous cut
+ENTRY_MIN = 64 * 1024  # entries with less data than this are not cut out
 ZIP_LOCAL = b"PK\x03\x04"  # a zip local file header: an entry starts
 _ENDS = (b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06")  # central directory, end records
 _DESC = b"PK\x07\x08"  # a data descriptor: the sizes of an entry written as a stream
@@ -70,14 +75,10 @@ class Layout:
             hi = cuts[i + 1]
         return lo, hi
 
-    def cut_entry(self, at: int) -> bool:
-        """Cut where an entry starts (past every cut so far: cuts come from appends),
-        unless the entries since the last cut are too small to be a chunk of their own
-        (ENTRY_MIN): then they are grouped with this one. Returns whether it cut."""
-        if at - self.cuts[-1] < ENTRY_MIN:
-            return False
-        self.cuts.append(at)
-        return True
+    def cut(self, at: int) -> None:
+        """A new cut, past every cut so far (cuts come from appends, in order)."""
+        if at > self.cuts[-1]:
+            self.cuts.append(at)
 
     def clip(self, size: int) -> None:
         """Forget the cuts past a truncated file's end."""
@@ -86,12 +87,15 @@ class Layout:
 
 
 class ZipEntries:
-    """The entry boundaries of a zip archive written front to back, found as it arrives.
+    """Where the data of a zip archive's entries begins and ends, found as it is written
+    front to back: the cuts of its layout.
 
-    `feed(off, data)` takes each append in order and returns the offsets where entries
-    (and, at the end, the central directory) start in the stream, for the layout to cut
-    at. It gives up for good (`done`) on anything else: a write that is not the next
-    append, bytes that are not a zip record where one must be, the central directory.
+    `feed(off, data)` takes each append in order and returns the offsets to cut at: the
+    start and the end of the data of every entry with at least ENTRY_MIN bytes of data.
+    The start of an entry whose size only its descriptor tells (below) is returned once
+    ENTRY_MIN of its bytes have arrived, so it may lie below `off`. The parser gives up for
+    good (`done`) on anything else: a write that is not the next append, bytes that are not
+    a zip record where one must be; and it is done at the central directory.
 
     An entry's length is in its local header, or, when the archive is written as a stream
     (flag bit 3; torch.save's writer does this), only in the data descriptor after its
@@ -103,7 +107,7 @@ class ZipEntries:
     need 64 bits to agree.
     """
 
-    __slots__ = ("fed", "state", "at", "data_start", "tail", "tail_off", "done")
+    __slots__ = ("fed", "state", "at", "data_start", "big", "tail", "tail_off", "done")
 
     HEADER = 0  # a local header (or the central directory) expected at `at`
     SKIP = 1  # inside an entry whose header gave its size: the next header at `at`
@@ -114,6 +118,7 @@ class ZipEntries:
         self.state = self.HEADER
         self.at = 0
         self.data_start = 0
+        self.big = False  # the current streamed entry's start was returned as a cut
         self.tail = b""  # stream bytes [tail_off, fed) a record not complete yet needs
         self.tail_off = 0
         self.done = False
@@ -124,21 +129,26 @@ class ZipEntries:
         if off != self.fed:
             self.done = True
             return []
-        found: list[int] = []
+        cuts: list[int] = []
         try:
-            self._parse(off, data, found)
+            self._parse(off, data, cuts)
         except (struct.error, ValueError):
             self.done = True
-        self.fed = off + len(data)
-        if not self.done:  # keep what an unfinished record needs (at most ~128 KiB)
-            keep = self.at if self.state != self.SKIP else self.fed
-            keep = min(max(keep, self.tail_off), self.fed)
-            if keep < off:
-                self.tail = self.tail[keep - self.tail_off :] + data
-            else:
-                self.tail = bytes(data[keep - off :])
-            self.tail_off = keep
-        return found
+        self.fed = end = off + len(data)
+        if self.done:
+            return cuts
+        if self.state == self.DESC and not self.big and end - self.data_start >= ENTRY_MIN:
+            cuts.append(self.data_start)  # a big streamed entry: cut where its data began
+            self.big = True
+        # keep what an unfinished record needs (at most ~128 KiB)
+        keep = self.at if self.state != self.SKIP else end
+        keep = min(max(keep, self.tail_off), end)
+        if keep < off:
+            self.tail = self.tail[keep - self.tail_off :] + data
+        else:
+            self.tail = bytes(data[keep - off :])
+        self.tail_off = keep
+        return cuts
 
     def _get(self, off: int, data: bytes, lo: int, hi: int) -> bytes | None:
         """Stream bytes [lo, hi) from the tail and this append; None if not all here."""
@@ -149,7 +159,7 @@ class ZipEntries:
         head = self.tail[lo - self.tail_off : hi - self.tail_off]
         return head if hi <= off else head + data[: hi - off]
 
-    def _parse(self, off: int, data: bytes, found: list[int]) -> None:
+    def _parse(self, off: int, data: bytes, cuts: list[int]) -> None:
         end = off + len(data)
         while True:
             if self.state == self.SKIP:
@@ -162,11 +172,7 @@ class ZipEntries:
                 sig = head[:4] if head is not None else self._get(off, data, at, at + 4)
                 if sig is None:
                     return
-                if sig in _ENDS:  # the central directory: no more entries
-                    found.append(at)
-                    self.done = True
-                    return
-                if sig != ZIP_LOCAL:
+                if sig != ZIP_LOCAL:  # the central directory ends the entries; or not a zip
                     self.done = True
                     return
                 if head is None:
@@ -175,22 +181,28 @@ class ZipEntries:
                 full = self._get(off, data, at, at + _LOCAL.size + nlen + elen)
                 if full is None:
                     return
-                found.append(at)
-                self.data_start = at + len(full)
+                ds = self.data_start = at + len(full)
                 if flags & 0x8:  # the sizes follow the data, in a descriptor
-                    self.state, self.at = self.DESC, self.data_start
+                    self.state, self.at, self.big = self.DESC, ds, False
                 else:
                     if csize == 0xFFFFFFFF:
                         csize = _zip64_size(full[_LOCAL.size + nlen :], usize)
-                    self.state, self.at = self.SKIP, self.data_start + csize
+                    if csize >= ENTRY_MIN:
+                        cuts += (ds, ds + csize)
+                    self.state, self.at = self.SKIP, ds + csize
                 continue
-            if not self._descriptor(off, data):
+            desc = self._descriptor(off, data)
+            if desc is None:
                 return
+            if self.big or desc - self.data_start >= ENTRY_MIN:
+                if not self.big:
+                    cuts.append(self.data_start)
+                cuts.append(desc)
 
-    def _descriptor(self, off: int, data: bytes) -> bool:
-        """Find the current entry's descriptor from `at` on: True when found (the state
-        moves to the record after it); False when it is not in what arrived so far (`at`
-        stays where the search must go on)."""
+    def _descriptor(self, off: int, data: bytes) -> int | None:
+        """The offset of the current entry's descriptor, if it is in what arrived (the
+        state then moves to the record after it); else None, and `at` stays where the
+        search must go on."""
         end = off + len(data)
         # pairs b"\x07\x08" at stream offset s: a descriptor would start at s - 2. Those
         # starting below `off` are looked for across the seam with the tail.
@@ -199,18 +211,20 @@ class ZipEntries:
             seam = self.tail[seam_lo - self.tail_off :] + data[:1]
             s = seam.find(b"\x07\x08")
             while s != -1:
-                got = self._check(off, data, seam_lo + s - 2)
+                q = seam_lo + s - 2
+                got = self._check(off, data, q)
                 if got is not None:
-                    return got
+                    return q if got else None
                 s = seam.find(b"\x07\x08", s + 1)
         k = data.find(b"\x07\x08", max(0, self.at + 2 - off))
         while k != -1:
-            got = self._check(off, data, off + k - 2)
+            q = off + k - 2
+            got = self._check(off, data, q)
             if got is not None:
-                return got
+                return q if got else None
             k = data.find(b"\x07\x08", k + 1)
         self.at = max(self.at, end - 3)  # a signature split by the end of this append
-        return False
+        return None
 
     def _check(self, off: int, data: bytes, q: int) -> bool | None:
         """Is the current entry's descriptor at q? True: yes (moved past it); False: maybe,
