@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 
+from metadata.changes import POSTGRES_DDL
 from metadata.engine import MetaError
 from metadata.sqlbase import SqlEngine
 from metadata.sqlite import SCHEMA
@@ -54,6 +55,8 @@ class _Conn:
 
 
 class PostgresEngine(SqlEngine):
+    CHANGES_DDL = POSTGRES_DDL  # the change log's trigger is a plpgsql function here
+
     def __init__(self, url: str) -> None:
         self.url = url
         try:

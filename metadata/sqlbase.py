@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from itertools import chain
 from typing import Any
 
+from metadata.changes import ChangeLogMixin
 from metadata.checkpoints import (
     CHK,
     CheckpointMixin,
@@ -80,7 +81,7 @@ def _attr(row: Any) -> Attr:
     return Attr(*row)
 
 
-class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
+class SqlEngine(ChangeLogMixin, RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
     """Subclasses set `self._conn` and implement `_ddl`, `_begin` and `_q`."""
 
     _lock: threading.RLock
@@ -183,6 +184,10 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
                 if not all(self._has(c, table, k) for k in cols)
             }
             tables = [t for t in self.TABLES_ADDED if not self._has(c, t, "*")]
+            log_missing = not self._has(c, "changes", "*")
+        if log_missing:  # (metadata/changes.py)
+            with self._tx() as c:
+                self._make_change_log(c)
         if todo or tables:
             with self._tx() as c:
                 for table, cols in todo.items():
@@ -219,6 +224,7 @@ class SqlEngine(RetentionMixin, CheckpointMixin, MaintenanceMixin, MetaEngine):
         with self._tx() as c:
             for stmt in self._ddl():
                 self._x(c, stmt)
+            self._make_change_log(c)
             if self._one(c, "SELECT value FROM config WHERE key = 'volume'"):
                 raise MetaError(errno.EEXIST, "volume already formatted")
             self._x(
