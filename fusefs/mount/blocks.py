@@ -298,6 +298,7 @@ class FileState:
     opens: int = 0
     mtime_ns: int = 0
     read_end: int = -1
+    run_start: int = 0  # where the reader's current run of contiguous reads began
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
     records_max: int = RECORDS_MAX  # past this many new_chunks: drop_superseded_inline
     layout: Layout | None = None  # block boundaries; made at the first write (`layout_for`)

@@ -38,6 +38,7 @@ following chunks.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 from collections import OrderedDict
@@ -71,7 +72,7 @@ log = logging.getLogger("ckptfs.mount")
 
 
 class _Slot:
-    __slots__ = ("event", "data", "error", "nbytes", "ahead")
+    __slots__ = ("event", "data", "error", "nbytes", "ahead", "done")
 
     def __init__(self, ahead: bool = False) -> None:
         self.event = trio.Event()
@@ -79,6 +80,7 @@ class _Slot:
         self.error: BaseException | None = None
         self.nbytes = 0
         self.ahead = ahead  # fetched by read-ahead and not read yet
+        self.done = False  # a reader read up to its end: the first to go
 
 
 SMALL_COMMIT = 256 * 1024  # a file that is one block up to this size: store+commit in one call
@@ -526,6 +528,8 @@ class FileCache:
                 if s < e:
                     spans.append((s, bytes(blk.buf[s - lo : e - lo])))
         sequential = off <= st.read_end <= end or off == 0
+        if off != st.read_end:
+            st.run_start = off  # a new run of contiguous reads
         st.read_end = end
         data = await self._read_extents(st.extents, st, off, size, readahead=sequential)
         if not layers and not spans:
@@ -553,32 +557,50 @@ class FileCache:
         )
         idx = overlapping(extents, starts, off, end)
         if readahead and idx:
-            self._prefetch(extents[idx[-1] + 1 : idx[-1] + 1 + self.readahead])
+            self._prefetch(st, extents[idx[-1] + 1 : idx[-1] + 1 + self.readahead])
         if len(idx) == 1:
             e = extents[idx[0]]
             if e.offset <= off and e.offset + e.length >= end:
-                raw = await self.chunk(e)
+                slot = self._slot(e)
+                raw = await self._wait(e.chunk_id, slot)
+                slot.done |= end == e.offset + e.length
                 s = e.chunk_off + off - e.offset
                 return memoryview(raw)[s : s + size]
         slots = [(extents[i], self._slot(extents[i])) for i in idx]
         out = bytearray(size)
         for e, slot in slots:
             raw = await self._wait(e.chunk_id, slot)
+            slot.done |= end >= e.offset + e.length
             s = max(off, e.offset)
             t = min(end, e.offset + e.length)
             view = memoryview(raw)[e.chunk_off + s - e.offset : e.chunk_off + t - e.offset]
             out[s - off : t - off] = view
         return out
 
-    def _prefetch(self, extents: list[Extent]) -> None:
+    def _prefetch(self, st: FileState | None, extents: list[Extent]) -> None:
         """Fetch the next chunks of a sequential reader, within half the cache.
 
         Many readers at once (8 DCP ranks, each with its own file) would otherwise prefetch
         more than the cache holds and evict each other's chunks before they are read, then
         fetch them again: measured, 8 parallel cold readers ran at half the speed of the
-        same reads one after another."""
+        same reads one after another.
+
+        Not past a cut of the file's layout (a torch.save entry's end), unless the reader
+        has read through two cuts without a jump: torch.load reads each tensor whole, in
+        the order of its state dict, which is not the order of the file's entries, so the
+        chunks after an entry were fetched for nothing and pushed out chunks other ranks
+        were reading (8 parallel loads fetched every chunk twice)."""
+        cuts = st.layout_for(self.block).cuts if st is not None else [0]
+        streaming = True
+        if len(cuts) > 1 and st is not None:  # cuts crossed since the run began
+            crossed = bisect.bisect_left(cuts, st.read_end) - bisect.bisect_right(
+                cuts, st.run_start
+            )
+            streaming = crossed >= 2
         for e in extents:
             if self._ahead_bytes + self.block > self.cache_max // 2:
+                return
+            if not streaming and _is_cut(cuts, e.offset):
                 return
             if e.chunk_id not in self._chunks:
                 self._slot(e, ahead=True)
@@ -650,15 +672,18 @@ class FileCache:
         return self.vol.fetch_chunk(cid, view=True, small=small)
 
     def _evict(self, limit: int) -> None:
-        """Drop the least recently used fetched chunks (never in-flight ones), chunks already
-        read before read-ahead nobody has used yet."""
+        """Drop the least recently used fetched chunks (never in-flight ones): chunks read
+        to their end first, then chunks already read from, then read-ahead nobody has used
+        yet. (A chunk a reader is in the middle of went before read-ahead did: 8 parallel
+        torch.loads fetched their chunks twice.)"""
         if self._cached_bytes <= limit:
             return
-        for spare_ahead in (True, False):
+        for keep in ("not done", "ahead", "nothing"):
             for cid, slot in list(self._chunks.items()):
                 if self._cached_bytes <= limit:
                     return
-                if slot.event.is_set() and not (spare_ahead and slot.ahead):
+                spared = (keep == "not done" and not slot.done) or (keep == "ahead" and slot.ahead)
+                if slot.event.is_set() and not spared:
                     del self._chunks[cid]
                     self._cached_bytes -= slot.nbytes
                     self._consumed(slot)
@@ -672,3 +697,8 @@ class FileCache:
 
     async def chunk(self, e: Extent) -> bytes:
         return await self._wait(e.chunk_id, self._slot(e))
+
+
+def _is_cut(cuts: list[int], x: int) -> bool:
+    i = bisect.bisect_left(cuts, x)
+    return i < len(cuts) and cuts[i] == x

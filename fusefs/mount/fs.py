@@ -158,7 +158,8 @@ class CkptFS(pyfuse3.Operations):
         st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
         # Not a second stat here: on this (the serving) thread, a stat whose cached
         # attributes have expired waits for a GETATTR that only this thread can answer.
-        tune_readahead(st.st_dev)
+        await trio.to_thread.run_sync(tune_readahead, st.st_dev)
+        await trio.to_thread.run_sync(tune_background, st.st_dev)
         if on_ready is not None:
             on_ready()
 
@@ -809,6 +810,29 @@ def tune_readahead(dev: int) -> None:
             f.write("4096")
     except OSError as e:
         log.debug("read-ahead not tuned: %s", e)
+
+
+MAX_BACKGROUND = 64  # FUSE requests the kernel keeps in flight for readahead (default 12)
+
+
+def tune_background(dev: int) -> None:
+    """Let the kernel keep more read requests in flight (root, fusectl mounted; best effort).
+
+    Every readahead request of a FUSE mount is a "background" request, and the kernel
+    sends at most 12 of them at a time (and, past 9, drops asynchronous readahead), for
+    all the files of the mount together: 8 ranks loading their checkpoints at once had a
+    request and a half each in flight, each waiting for its chunk to come off the disk.
+    64 (48 before readahead is dropped) gave 8 parallel torch.loads 22-33% more throughput
+    in alternating runs. libfuse 3.14 cannot set it at INIT, so it is set through fusectl
+    (/sys/fs/fuse/connections/<minor>/, mounted by systemd on most hosts)."""
+    base = f"/sys/fs/fuse/connections/{os.minor(dev)}"
+    try:
+        for name, value in (("max_background", MAX_BACKGROUND),
+                            ("congestion_threshold", MAX_BACKGROUND * 3 // 4)):  # fmt: skip
+            with open(os.path.join(base, name), "w") as f:
+                f.write(str(value))
+    except OSError as e:
+        log.debug("background requests not tuned: %s", e)
 
 
 def mount_options(*, allow_other: bool = False, fsname: str = "ckptfs") -> set[str]:
