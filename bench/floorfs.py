@@ -203,7 +203,7 @@ class FloorFS(pyfuse3.Operations):
 
 
 def main(argv: list[str]) -> int:
-    from fusefs.mount.fs import mount_options
+    from fusefs.mount.tuning import mount_options
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mountpoint")

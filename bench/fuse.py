@@ -95,7 +95,7 @@ def mount_ckptfs(vol: str, mp: str, env: dict, *opts: str) -> subprocess.Popen:
 
 def mount_floor(base: str, env: dict, procs: list, *opts: str) -> tuple[str, subprocess.Popen]:
     """Mount bench/floorfs.py with the read-ahead the mount sets for itself."""
-    from fusefs.mount.fs import tune_readahead
+    from fusefs.mount.tuning import tune_readahead
 
     mp = os.path.join(base, "floor-mnt")
     os.makedirs(mp, exist_ok=True)

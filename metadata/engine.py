@@ -448,6 +448,13 @@ class MetaEngine(ABC):
     def close(self) -> None:  # noqa: B027 - optional
         pass
 
+    # -- change feed ----------------------------------------------------------------------
+    def changes_since(self, after: int | None, limit: int = 4096) -> tuple[int, int, list]:
+        """The inodes changed since sequence number `after`, for clients that cache
+        metadata (metadata/changes.py): (oldest, newest, [[seq, ino], ...]). ENOSYS where
+        there is no change log: such a client keeps its caches short instead."""
+        raise MetaError(errno.ENOSYS, "this metadata engine keeps no change log")
+
     # -- hooks for a long-running frontend (the mount) ------------------------------------
     def loop_engine(self) -> MetaEngine | None:
         """A second engine whose short calls (lookup, getattr, create, a small commit_file)

@@ -85,6 +85,7 @@ from typing import Any
 
 import psycopg
 
+from metadata.changes import POSTGRES_DDL
 from metadata.engine import MetaError
 from metadata.sqlbase import SqlEngine
 from metadata.sqlite import SCHEMA
@@ -182,6 +183,8 @@ class _Conn:
 
 
 class PostgresEngine(SqlEngine):
+    CHANGES_DDL = POSTGRES_DDL  # the change log's trigger is a plpgsql function here
+
     def __init__(self, url: str) -> None:
         self.url = url
         self._conn = _Conn(url, lambda: self._depth > 0)

@@ -50,7 +50,7 @@ READ_METHODS = frozenset(
         "get_extents", "chunk_info", "inline_data", "stats", "step_state", "wait_published",
         "latest", "latest_durable", "manifest", "list_checkpoints", "checkpoint_info",
         "pending_refs", "get_retention", "chunk_rows", "true_refcounts", "files_using",
-        "inode_path", "known_chunks", "under_replicated", "parent", "sync",
+        "inode_path", "known_chunks", "under_replicated", "parent", "sync", "changes_since",
     }
 )  # fmt: skip
 MUTATING_METHODS = frozenset(

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from itertools import chain
 from typing import Any
 
+from metadata.changes import ChangeLogMixin
 from metadata.checkpoints import CheckpointMixin
 from metadata.chunkrefs import ChunkRefMixin
 from metadata.ckptquery import CheckpointQueryMixin
@@ -46,6 +47,7 @@ def _now() -> int:
 
 
 class SqlEngine(
+    ChangeLogMixin,
     NamespaceMixin,
     ChunkRefMixin,
     LeaseMixin,
@@ -187,6 +189,10 @@ class SqlEngine(
                 if not all(self._has(c, table, k) for k in cols)
             }
             tables = [t for t in self.TABLES_ADDED if not self._has(c, t, "*")]
+            log_missing = not self._has(c, "changes", "*")
+        if log_missing:  # (metadata/changes.py)
+            with self._tx() as c:
+                self._make_change_log(c)
         if todo or tables:
             with self._tx() as c:
                 self._lock_named(c, SCHEMA_LOCK)
@@ -225,6 +231,7 @@ class SqlEngine(
             self._lock_named(c, SCHEMA_LOCK)
             for stmt in self._ddl():
                 self._x(c, stmt)
+            self._make_change_log(c)
             if self._one(c, "SELECT value FROM config WHERE key = 'volume'"):
                 raise MetaError(errno.EEXIST, "volume already formatted")
             self._x(

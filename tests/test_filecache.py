@@ -236,3 +236,241 @@ def test_records_of_superseded_small_blocks_are_dropped_before_the_commit(vol):
     assert vol.read_file("/f") == versions[-1]
     old = vol.sink.ids(versions[:-1])
     assert vol.meta.missing_chunks(old) == set(old)
+
+
+# -- layouts: where blocks are cut ------------------------------------------------------
+def _torch_bytes(sd: dict) -> bytes:
+    import io
+
+    torch = pytest.importorskip("torch")
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
+def _entry_data(data: bytes) -> list[tuple[int, int]]:
+    """[start, end) of each zip entry's data (the oracle: zipfile and the local headers)."""
+    import io
+    import struct
+    import zipfile
+
+    out = []
+    for info in zipfile.ZipFile(io.BytesIO(data)).infolist():
+        nlen, elen = struct.unpack_from("<HH", data, info.header_offset + 26)
+        start = info.header_offset + 30 + nlen + elen
+        out.append((start, start + info.compress_size))
+    return out
+
+
+def _cuts_of(data: bytes) -> list[int]:
+    """Where ZipEntries must cut: both ends of the data of every entry of ENTRY_MIN or more."""
+    from fusefs.mount.layout import ENTRY_MIN
+
+    return [c for s, e in _entry_data(data) if e - s >= ENTRY_MIN for c in (s, e)]
+
+
+async def _write_as_kernel(cache: FileCache, st, data: bytes, seed: int) -> None:
+    """Appends the way FUSE delivers a writer's bytes: requests of up to 1 MiB, split
+    at arbitrary points (a write() from an unaligned buffer is two requests)."""
+    import random
+
+    rng = random.Random(seed)
+    pos = 0
+    while pos < len(data):
+        n = rng.choice([KiB * KiB, KiB * KiB - 48, 48, rng.randrange(1, KiB * KiB)])
+        await cache.write(st, pos, data[pos : pos + n])
+        pos += n
+
+
+def test_torch_save_is_cut_at_its_entries_and_unchanged_tensors_keep_their_chunks(vol):
+    """A torch.save file written through the mount is cut where each tensor's data begins
+    and ends (tensors under ENTRY_MIN stay with the records around them), whatever the
+    request boundaries; saved again with 2 of 20 tensors changed, and under another
+    archive name (torch.save names it after the file), every other tensor maps to the
+    chunks it had. With fixed chunks a changed tensor dragged along the chunks it shared
+    with its neighbours."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [(i % 7 + 1) * 150_000 + 4 * i for i in range(20)]  # 0.15-1.05 MB, unaligned
+    sd = {f"layer{i}.weight": torch.randn(n // 4, generator=g) for i, n in enumerate(sizes)}
+    sd["step"] = torch.tensor(7)  # a tiny entry: no chunk of its own
+    one = _torch_bytes(sd)
+    for k in ("layer3.weight", "layer11.weight"):
+        sd[k] = torch.randn(sd[k].numel(), generator=g)
+    two = _torch_bytes(sd).replace(b"archive/", b"step-02/")  # as torch.save("step-02")
+    assert len(one) == len(two) and torch.load(io.BytesIO(two))["step"] == 7
+    files = {"/one.pt": one, "/two.pt": two}
+    attrs = {p: vol.write_file(p, b"") for p in files}
+    extents = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            cache = FileCache(vol, nursery, dirty_max=8 * BLOCK)
+            for seed, (p, data) in enumerate(files.items()):
+                st = await cache.open_state(attrs[p])
+                await _write_as_kernel(cache, st, data, seed)
+                await cache.commit(st)
+                extents[p] = st.extents
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    for p, data in files.items():
+        assert vol.read_file(p) == data
+    cuts = _cuts_of(one)
+    assert len(cuts) == 40 and set(cuts) <= {e.offset for e in extents["/one.pt"]}
+    # the second save shares every chunk but the changed tensors' and the small records
+    # between entries (descriptors with CRCs, headers with the archive's name)
+    new = {e.chunk_id for e in extents["/two.pt"]} - {e.chunk_id for e in extents["/one.pt"]}
+    new_bytes = sum(e.length for e in extents["/two.pt"] if e.chunk_id in new)
+    changed = (sizes[3] // 4 + sizes[11] // 4) * 4
+    assert changed <= new_bytes <= changed + 16 * KiB, (new_bytes, changed)
+
+
+def test_a_cut_file_rewritten_in_place_or_truncated_keeps_its_layout(vol):
+    """A file with entry cuts, opened again: a write inside one tensor stores one new
+    chunk (the blocks come from the committed extents); a truncate into an entry and an
+    append after it read back exactly."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    sd = {f"t{i}": torch.randn((i % 5 + 1) * 100_000 + i, generator=g) for i in range(12)}
+    data = bytearray(_torch_bytes(sd))
+    attr = vol.write_file("/f.pt", b"")
+    log: dict[str, list] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            cache = FileCache(vol, nursery)
+            st = await cache.open_state(attr)
+            await _write_as_kernel(cache, st, bytes(data), 3)
+            await cache.commit(st)
+            log["first"] = st.extents
+            st.opens = 0
+            cache.drop_if_idle(st)  # closed: the next open starts from the commit
+            st = await cache.open_state(vol.resolve("/f.pt"))
+            mid = _entry_data(bytes(data))[6][0] + 1000
+            patch = os.urandom(300)
+            await cache.write(st, mid, patch)
+            data[mid : mid + len(patch)] = patch
+            await cache.commit(st)
+            log["patched"] = st.extents
+            cut = _entry_data(bytes(data))[9][0] + 77
+            st.truncated(cut)  # as the mount's truncate does, after the metadata's
+            vol.meta.setattr(st.ino, size=cut)
+            data[cut:] = b""
+            tail = os.urandom(2 * BLOCK + 5)
+            await cache.write(st, cut, tail)
+            data.extend(tail)
+            await cache.commit(st)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    first, patched = log["first"], log["patched"]
+    assert [e.offset for e in first] == [e.offset for e in patched]
+    changed = [a for a, b in zip(first, patched, strict=True) if a.chunk_id != b.chunk_id]
+    assert len(changed) == 1
+    assert vol.read_file("/f.pt") == bytes(data)
+
+
+def test_zip_entries_are_found_across_any_request_boundaries():
+    """The entry parser on streamed (descriptor) and sized entries, zip64 descriptors,
+    data holding descriptor signatures, appends of 1 byte and up, against zipfile."""
+    import io
+    import random
+    import struct
+    import zipfile
+
+    from fusefs.mount.layout import ENTRY_MIN, ZipEntries
+
+    class Stream(io.RawIOBase):  # not seekable: zipfile writes data descriptors
+        def __init__(self) -> None:
+            self.b = bytearray()
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, d) -> int:
+            self.b += d
+            return len(d)
+
+    rng = random.Random(5)
+    for trial in range(60):
+        out: io.BytesIO | Stream = Stream() if trial % 2 else io.BytesIO()
+        with zipfile.ZipFile(out, "w") as z:
+            for k in range(rng.randint(1, 6)):
+                body = os.urandom(rng.choice([0, 5, ENTRY_MIN - 13, ENTRY_MIN + 3]))
+                body += b"PK\x07\x08" * 3  # descriptor signatures inside the data
+                if isinstance(out, Stream):
+                    with z.open(f"e{k}", "w", force_zip64=trial % 4 == 1) as f:
+                        f.write(body)
+                else:
+                    z.writestr(f"e{k}", body)
+        data = bytes(out.b) if isinstance(out, Stream) else out.getvalue()
+        z = ZipEntries()
+        got: list[int] = []
+        pos = 0
+        while pos < len(data):
+            n = rng.choice([1, 2, 3, 17, 30, 4096, 70000])
+            got += z.feed(pos, data[pos : pos + n])
+            pos += n
+        assert got == _cuts_of(data), (trial, got)
+        assert z.done  # the central directory ends it
+    z = ZipEntries()  # a streamed entry named "a", then some of its data
+    head = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 8, 0, 0, 0, 0, 0, 0, 1, 0)
+    assert z.feed(0, head + b"a" + bytes(40)) == [] and not z.done
+    assert z.feed(71, bytes(ENTRY_MIN)) == [31] and not z.done  # big: cut where it began
+    assert z.feed(10**6, b"x") == [] and z.done  # not the next append: given up for good
+
+
+def test_a_block_split_where_a_big_entry_began_keeps_every_byte(vol):
+    """A streamed zip entry is known to be big only once ENTRY_MIN of its bytes came; the
+    dirty block that holds its first bytes is then split where its data began. As pieces
+    (views of the requests) or as a buffer, the bytes on each side stay where they were."""
+    import struct
+
+    from fusefs.mount.layout import ENTRY_MIN
+
+    for stable, kind in ((True, Pieces), (False, bytearray)):
+        parts = [7, 50, 1000]
+        blk = DirtyBlock(1, 0, BufferPool(BLOCK, 2))
+        data = os.urandom(sum(parts) + PIECE_MIN)
+        pos = 0
+        for n in [*parts, PIECE_MIN]:
+            blk.write(pos, memoryview(data)[pos : pos + n], stable=stable)
+            pos += n
+        assert isinstance(blk.buf, kind)
+        for rel in (1, parts[0], parts[0] + parts[1] - 1):
+            b = DirtyBlock(1, 0)
+            b.buf = (
+                Pieces(list(blk.buf.parts)) if isinstance(blk.buf, Pieces) else bytearray(blk.buf)
+            )
+            b.spans = [list(x) for x in blk.spans]
+            tail = b.split(rel)
+            assert tail.lo == rel and _content(b)[:rel] == data[:rel]
+            assert _content(tail)[: len(data) - rel] == data[rel:]
+            assert b.spans == [[0, rel]] and tail.spans == [[0, len(data) - rel]]
+
+    name = b"archive/data/0"
+    head = struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 8, 0, 0, 0, 0, 0, 0, len(name), 0)
+    body = os.urandom(2 * ENTRY_MIN + 5)
+    ds = len(head) + len(name)
+    crc = 0
+    stream = head + name + body + struct.pack("<4sIII", b"PK\x07\x08", crc, len(body), len(body))
+    stream += b"PK\x01\x02" + bytes(60)  # a central directory follows
+    attr = vol.write_file("/z", b"")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            cache = FileCache(vol, nursery)
+            st = await cache.open_state(attr)
+            # the header and the first bytes in one small request, the bulk later
+            for lo, hi in ((0, ds + 100), (ds + 100, ds + 900), (ds + 900, len(stream))):
+                await cache.write(st, lo, stream[lo:hi])
+            await cache.commit(st)
+            assert st.layout.cuts == [0, ds, ds + len(body)]
+            assert [e.offset for e in st.extents] == [0, ds, ds + len(body)]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert vol.read_file("/z") == stream

@@ -362,6 +362,37 @@ def test_torch_save_load(mounted):
         assert torch.equal(back[k], sd[k])
 
 
+def test_torch_save_with_2_of_20_tensors_changed_stores_only_those(mounted):
+    """torch.save files are cut at each tensor's zip entry: a step that changes 2 of 20
+    tensors stores at most 1.1x their bytes (with fixed 4 MiB chunks, 1.4-1.7x: every
+    changed tensor took the chunks it shared with its neighbours along). Step 1 is saved
+    by path (torch's C++ writer), step 2 through a Python file object: both writers'
+    request patterns cut the same chunks. Growth counts raw chunk bytes (no compression)."""
+    torch = pytest.importorskip("torch")
+    from fusefs.client.volume import Volume
+
+    g = torch.Generator().manual_seed(0)
+    sizes = [(i % 7 + 1) * 330_000 + 4 * i for i in range(20)]  # 0.3-2.3 MB, unaligned
+    sd = {f"layer{i}.weight": torch.randn(n // 4, generator=g) for i, n in enumerate(sizes)}
+    torch.save(sd, mounted.path("step1.pt"))
+
+    def raw_bytes() -> int:
+        with Volume.open(mounted.volume) as v:
+            return v.stats()["raw_unique_bytes"]
+
+    before = raw_bytes()
+    changed = 0
+    for k in ("layer3.weight", "layer11.weight"):
+        sd[k] = torch.randn(sd[k].numel(), generator=g)
+        changed += sd[k].numel() * 4
+    with open(mounted.path("step2.pt"), "wb") as f:
+        torch.save(sd, f)
+    growth = raw_bytes() - before
+    assert changed <= growth <= 1.1 * changed, (growth, changed)
+    back = torch.load(mounted.path("step2.pt"), weights_only=True)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
 def test_many_writers_at_once(mounted):
     datas = {i: os.urandom(3 * MiB + i * 1000) for i in range(8)}
     errors: list[BaseException] = []
@@ -505,6 +536,68 @@ def test_second_mount_sees_file_after_close(new_volume, mount_factory, meta_serv
             time.sleep(0.1)
         assert _read(a.path("shared.bin")) == v3
         assert os.stat(a.path("shared.bin")).st_size == len(v3)
+
+
+@pytest.mark.parametrize("via", ["service", "directory"])
+def test_stat_through_a_second_mount_sees_changes_within_the_bound(
+    new_volume, mount_factory, meta_server, via
+):
+    """Two mounts of one volume (through one `meta serve`, or one SQLite directory): b's
+    kernel caches names, attributes and absent names for a minute, and the change log
+    makes b see each change made through a within FEED_BOUND_S. A change b did not learn
+    of would show for the whole minute: the stale answers fail this test."""
+    from fusefs.mount.metacache import CACHED_TIMEOUT, FEED_BOUND_S
+
+    vol = new_volume()
+    if via == "service":
+        vol = meta_server(vol).url
+    a, b = mount_factory(vol, "a"), mount_factory(vol, "b")
+    os.mkdir(a.path("d"))
+    _write(a.path("d", "f"), b"one")
+    _write(a.path("d", "g"), b"gone soon")
+    os.mkdir(a.path("d", "sub"))
+    slack = 2.0  # a loaded machine: the poll and the stat themselves take time
+
+    def seen(check, what: str) -> None:
+        t0 = time.monotonic()
+        while not check():
+            assert time.monotonic() - t0 < FEED_BOUND_S + slack, f"b never saw {what}"
+            time.sleep(0.02)
+
+    def size(path: str) -> int | None:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            return None
+
+    seen(lambda: size(b.path("d", "f")) == 3, "the file")
+    # b caches: the names, attributes, and absent names it asked for
+    assert size(b.path("d", "new")) is None and size(b.path("d", "g")) == 9
+    st_sub = os.stat(b.path("d", "sub"))
+    time.sleep(1.5)  # past the 1 s caches of old: what b shows now comes from its caches
+    changes = [
+        (lambda: _write(a.path("d", "f"), b"a longer body"),
+         lambda: size(b.path("d", "f")) == 13, "a rewrite"),
+        (lambda: os.chmod(a.path("d", "f"), 0o600),
+         lambda: os.stat(b.path("d", "f")).st_mode & 0o777 == 0o600, "a chmod"),
+        (lambda: _write(a.path("d", "new"), b"x"),
+         lambda: size(b.path("d", "new")) == 1, "a file made where b cached none"),
+        (lambda: os.unlink(a.path("d", "g")),
+         lambda: size(b.path("d", "g")) is None, "an unlink"),
+        (lambda: os.rename(a.path("d", "new"), a.path("d", "renamed")),
+         lambda: size(b.path("d", "new")) is None and size(b.path("d", "renamed")) == 1,
+         "a rename"),
+        (lambda: os.mkdir(a.path("d", "sub", "x")),
+         lambda: os.stat(b.path("d", "sub")).st_nlink == st_sub.st_nlink + 1,
+         "a directory's link count"),
+        (lambda: os.rmdir(a.path("d", "sub", "x")),
+         lambda: not os.path.exists(b.path("d", "sub", "x")), "an rmdir"),
+    ]  # fmt: skip
+    for change, check, what in changes:
+        change()
+        seen(check, what)
+    assert CACHED_TIMEOUT > 10 * (FEED_BOUND_S + slack)  # what b would show without the log
+    assert sorted(os.listdir(b.path("d"))) == ["f", "renamed", "sub"]
 
 
 def test_namespace_calls_wait_for_a_busy_database_without_stalling_the_mount(

@@ -1,8 +1,10 @@
 """What a file open through the mount holds besides its committed extents: dirty blocks.
 
-A file being written is its committed extent list plus chunk-size-aligned dirty blocks
-(aligned to the volume's chunk size, so a file rewritten in place cuts the same chunks as a
-sequential write of it, and unchanged blocks deduplicate). A block only remembers which
+A file being written is its committed extent list plus dirty blocks, laid out by the
+file's `Layout` (fusefs.mount.layout: chunk-size-aligned for an ordinary file; starting at
+each entry for a zip written front to back, as torch.save writes), so a file rewritten in
+place cuts the same chunks as a sequential write of it, and unchanged blocks deduplicate.
+A block is keyed by its first byte's offset in the file. A block only remembers which
 byte ranges were written ("spans"); the old content of its gaps is read when it is sealed,
 so a writer that covers whole blocks never reads anything back. Large appends are kept as
 views of the writer's buffers (Pieces) rather than copied. FileState is a file's state on
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 
 import trio
 
+from fusefs.client.extents import clip
+from fusefs.mount.layout import ZIP_LOCAL, Layout, ZipEntries
 from metadata.engine import (
     INLINE,
     Attr,
@@ -111,18 +115,37 @@ class Pieces:
             pos += len(parts[-1])
         return Pieces(parts)
 
+    def split(self, n: int) -> Pieces:
+        """Keep the first n bytes; return the rest as views (no copy)."""
+        head: list[memoryview] = []
+        rest: list[memoryview] = []
+        pos = 0
+        for p in self.parts:
+            if pos + len(p) <= n:
+                head.append(p)
+            elif pos >= n:
+                rest.append(p)
+            else:
+                head.append(p[: n - pos])
+                rest.append(p[n - pos :])
+            pos += len(p)
+        self.parts = head
+        self.n = min(n, self.n)
+        return Pieces(rest)
+
     def release(self) -> None:
         self.parts = []
 
 
 class DirtyBlock:
-    """Written bytes of one aligned block; `spans` are the written [s, e) ranges."""
+    """Written bytes of one block starting at file offset `lo`; `spans` are the written
+    [s, e) ranges, relative to `lo`."""
 
-    __slots__ = ("ino", "index", "buf", "spans", "counted", "busy", "pool")
+    __slots__ = ("ino", "lo", "buf", "spans", "counted", "busy", "pool")
 
-    def __init__(self, ino: int, index: int, pool: BufferPool | None = None) -> None:
+    def __init__(self, ino: int, lo: int, pool: BufferPool | None = None) -> None:
         self.ino = ino
-        self.index = index
+        self.lo = lo
         self.buf = bytearray()  # grows on demand: a 4 KiB file costs 4 KiB, not a chunk
         self.spans: list[list[int]] = []
         self.counted = 0  # bytes of it in FileCache.dirty_bytes
@@ -183,6 +206,21 @@ class DirtyBlock:
             buf[pos : pos + len(p)] = p
             pos += len(p)
         self.buf = buf
+
+    def split(self, rel: int) -> DirtyBlock:
+        """Move the bytes at and past `rel` into a new block that starts there: a cut
+        made after they were placed (a zip entry known to be big only once its first
+        bytes came). Pieces stay views; a buffer's tail is copied (less than a block)."""
+        tail = DirtyBlock(self.ino, self.lo + rel)
+        tail.spans = [[max(a, rel) - rel, b - rel] for a, b in self.spans if b > rel]
+        self.spans = [[a, min(b, rel)] for a, b in self.spans if a < rel]
+        buf = self.buf
+        if isinstance(buf, Pieces):
+            tail.buf = buf.split(rel)
+        else:
+            tail.buf = bytearray(buf[rel:])
+            del buf[rel:]
+        return tail
 
     def _add_span(self, s: int, e: int) -> None:
         spans = self.spans
@@ -251,8 +289,8 @@ class FileState:
     attr: Attr
     size: int
     extents: list[Extent]
-    blocks: dict[int, DirtyBlock] = field(default_factory=dict)
-    sealing: dict[int, memoryview | Pieces] = field(default_factory=dict)
+    blocks: dict[int, DirtyBlock] = field(default_factory=dict)  # by first byte's offset
+    sealing: dict[int, memoryview | Pieces] = field(default_factory=dict)  # the same
     new_chunks: dict[bytes, NewChunk] = field(default_factory=dict)
     version: int = 0
     committed: int = 0
@@ -260,8 +298,11 @@ class FileState:
     opens: int = 0
     mtime_ns: int = 0
     read_end: int = -1
+    run_start: int = 0  # where the reader's current run of contiguous reads began
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
     records_max: int = RECORDS_MAX  # past this many new_chunks: drop_superseded_inline
+    layout: Layout | None = None  # block boundaries; made at the first write (`layout_for`)
+    entries: ZipEntries | None = None  # a zip being written front to back: its entry cuts
     _starts: list[int] | None = None
     _stored: int | None = None  # bytes the extents map (what a commit records as alloc)
 
@@ -295,6 +336,34 @@ class FileState:
         self.extents = extents
         self._starts = None
         self._stored = None
+
+    def layout_for(self, bs: int) -> Layout:
+        """The file's block layout: the cuts its committed extents were written with."""
+        if self.layout is None:
+            self.layout = Layout.of_extents(bs, self.extents)
+        return self.layout
+
+    def cut_entries(self, off: int, data: bytes) -> list[int]:
+        """Where to cut this file for the zip entries this append completes or reveals
+        (torch.save files; fusefs.mount.layout), in order; some may lie below `off`.
+
+        A file written from byte 0 whose first bytes are a zip local header is followed,
+        append by append, by ZipEntries; any other write stops it for good."""
+        entries = self.entries
+        if entries is None:
+            if off != 0 or self.size != 0 or data[:4] != ZIP_LOCAL:
+                return []
+            entries = self.entries = ZipEntries()
+        return entries.feed(off, data)
+
+    def truncated(self, size: int) -> None:
+        """The file was truncated (or extended) to `size`: its extents, cuts and size.
+        A zip written front to back is followed again only from an empty file."""
+        self.size = size
+        self.set_extents(clip(self.extents, size))
+        if self.layout is not None:
+            self.layout.clip(size)
+        self.entries = None
 
     def drop_superseded_inline(self) -> None:
         """Forget the records of inline chunks no extent names any more.

@@ -1,9 +1,12 @@
 """Per-inode dirty data and the chunk read cache of one mount (trio side).
 
 A file open through the mount is its committed extent list plus, while it is
-written, chunk-size-aligned dirty blocks. Blocks are aligned to the volume's
-chunk size so a file rewritten in place cuts the same chunks as a sequential
-write of it, and unchanged blocks deduplicate.
+written, dirty blocks. Blocks follow the file's layout (fusefs.mount.layout):
+aligned to the volume's chunk size, and for a zip written front to back (what
+torch.save writes) starting at each entry as well, so a file rewritten in place
+cuts the same chunks as a sequential write of it, unchanged blocks deduplicate,
+and an unchanged tensor of a checkpoint maps to the same chunks whatever its
+neighbours did.
 
 A dirty block only remembers which byte ranges were written ("spans"); the
 old content of its gaps is read when the block is sealed, so a sequential
@@ -35,6 +38,7 @@ following chunks.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 from collections import OrderedDict
@@ -54,6 +58,7 @@ from fusefs.mount.blocks import (
     parts_of,
     zeros,
 )
+from fusefs.mount.layout import Layout
 from metadata.engine import (
     INLINE_DATA_MAX,
     Attr,
@@ -67,7 +72,7 @@ log = logging.getLogger("ckptfs.mount")
 
 
 class _Slot:
-    __slots__ = ("event", "data", "error", "nbytes", "ahead")
+    __slots__ = ("event", "data", "error", "nbytes", "ahead", "done")
 
     def __init__(self, ahead: bool = False) -> None:
         self.event = trio.Event()
@@ -75,6 +80,7 @@ class _Slot:
         self.error: BaseException | None = None
         self.nbytes = 0
         self.ahead = ahead  # fetched by read-ahead and not read yet
+        self.done = False  # a reader read up to its end: the first to go
 
 
 SMALL_COMMIT = 256 * 1024  # a file that is one block up to this size: store+commit in one call
@@ -156,6 +162,7 @@ class FileCache:
         st.attr = attr
         st.size = attr.size
         st.set_extents(extents)
+        st.layout = st.entries = None  # the new content's own cuts, at the next write
         return True
 
     def drop_if_idle(self, st: FileState) -> None:
@@ -165,15 +172,15 @@ class FileCache:
 
     def discard(self, st: FileState) -> None:
         """Forget unflushed data (the file was unlinked and closed)."""
-        for idx, blk in list(st.blocks.items()):
-            self._forget_block(st, idx, blk)
+        for blk in list(st.blocks.values()):
+            self._forget_block(st, blk)
         st.committed = st.version
         st.new_chunks.clear()
 
-    def _forget_block(self, st: FileState, idx: int, blk: DirtyBlock) -> None:
-        if st.blocks.get(idx) is blk:
-            del st.blocks[idx]
-        self._lru.pop((st.ino, idx), None)
+    def _forget_block(self, st: FileState, blk: DirtyBlock) -> None:
+        if st.blocks.get(blk.lo) is blk:
+            del st.blocks[blk.lo]
+        self._lru.pop((st.ino, blk.lo), None)
         self.dirty_bytes -= blk.counted
         blk.counted = 0
 
@@ -181,30 +188,39 @@ class FileCache:
     async def write(self, st: FileState, off: int, data: bytes) -> int:
         if st.error is not None:
             raise FileError(errno.EIO, f"earlier write error on inode {st.ino}: {st.error}")
-        bs = self.block
+        layout = st.layout_for(self.block)
         pos, n = 0, len(data)
         mv = memoryview(data)
         stable = isinstance(data, bytes)  # immutable: blocks may keep views of it
+        for c in st.cut_entries(off, data):
+            if c <= off and self._cut(st, layout, c) and c:
+                prev = st.blocks.get(layout.span(c - 1)[0])  # it ends at c now: whole?
+                if prev is not None and prev.covers(c - prev.lo):
+                    await self.seal(st, prev)
+            elif c > off:
+                layout.cut(c)  # past every byte the file holds: nothing to move
         while pos < n:
             at = off + pos
-            idx, boff = divmod(at, bs)
-            take = min(n - pos, bs - boff)
-            while idx in st.sealing:  # an overwrite of a block being stored: let it land
-                await self._changed.park()
-            blk = st.blocks.get(idx)
+            while True:
+                lo, hi = layout.span(at)
+                if lo not in st.sealing:
+                    break
+                await self._changed.park()  # an overwrite of a block being stored: let it land
+            take = min(n - pos, hi - at)
+            blk = st.blocks.get(lo)
             if blk is None:
-                blk = st.blocks[idx] = DirtyBlock(st.ino, idx, self.pool)
+                blk = st.blocks[lo] = DirtyBlock(st.ino, lo, self.pool)
             before = blk.nbytes
-            blk.write(boff, mv[pos : pos + take], stable)
+            blk.write(at - lo, mv[pos : pos + take], stable)
             blk.counted += blk.nbytes - before
             self.dirty_bytes += blk.nbytes - before
             if not blk.busy:
-                self._lru[(st.ino, idx)] = blk
-                self._lru.move_to_end((st.ino, idx))
+                self._lru[(st.ino, lo)] = blk
+                self._lru.move_to_end((st.ino, lo))
             pos += take
             st.size = max(st.size, at + take)
             st.touch()
-            if blk.covers(bs):
+            if blk.covers(hi - lo):
                 await self.seal(st, blk)
         while self.dirty_bytes > self.dirty_max and self._lru:
             (ino, _), old = self._lru.popitem(last=False)
@@ -215,16 +231,38 @@ class FileCache:
             await self._changed.park()
         return n
 
+    def _cut(self, st: FileState, layout: Layout, c: int) -> bool:
+        """Cut the layout at c, a point the file holds bytes at or just below. Bytes at
+        and past c move from the dirty block holding them to a new block at c. Returns
+        False, changing nothing, when that block is being sealed or stored already: a
+        block in flight must never overlap a newer one (the older store could land last),
+        so such an entry keeps the block it began in (its chunks deduplicate less)."""
+        if c <= layout.cuts[-1]:
+            return False
+        lo = layout.span(c)[0]
+        if lo < c < st.size:
+            blk = st.blocks.get(lo)
+            if blk is None or blk.busy or lo in st.sealing:
+                return False
+            before = blk.nbytes
+            tail = blk.split(c - lo)
+            st.blocks[c] = tail
+            tail.counted, blk.counted = tail.nbytes, blk.nbytes
+            self.dirty_bytes += blk.nbytes + tail.nbytes - before
+            self._lru[(st.ino, c)] = tail
+        layout.cut(c)
+        return True
+
     async def seal(self, st: FileState, blk: DirtyBlock) -> None:
         """Complete the block from the old content and hand it to a store task."""
         if blk.busy:
             return
         blk.busy = True
-        lo = blk.index * self.block
-        self._lru.pop((st.ino, blk.index), None)  # nobody else picks it while we fill
+        lo = blk.lo
+        self._lru.pop((st.ino, lo), None)  # nobody else picks it while we fill
         try:
             for _ in range(16):  # racing writers only shrink the gaps; bounded anyway
-                length = min(self.block, st.size - lo)
+                length = min(self._block_end(st, lo), st.size) - lo
                 gaps = blk.gaps(0, length)
                 if not gaps:
                     break
@@ -233,16 +271,16 @@ class FileCache:
                     old = await self._read_extents(snap, None, lo + s, e - s)
                     blk.fill(s, old)
             else:
-                raise FileError(errno.EIO, f"block {blk.index} of inode {st.ino} kept changing")
+                raise FileError(errno.EIO, f"block at {lo} of inode {st.ino} kept changing")
         except BaseException:
             blk.busy = False
             self._changed.unpark_all()  # a settle waiting for this block seals it itself
             raise
-        if st.blocks.get(blk.index) is not blk:  # discarded meanwhile
+        if st.blocks.get(lo) is not blk:  # discarded meanwhile
             self._changed.unpark_all()
             return
-        length = min(self.block, st.size - lo)
-        self._forget_block(st, blk.index, blk)
+        length = min(self._block_end(st, lo), st.size) - lo
+        self._forget_block(st, blk)
         if length <= 0:
             self._changed.unpark_all()
             return
@@ -254,12 +292,17 @@ class FileCache:
             if len(buf) < length:  # cannot happen: the fill loop leaves no gap below length
                 buf.extend(zeros(length - len(buf)))
             data = memoryview(buf)[:length]
-        st.sealing[blk.index] = data
+        st.sealing[lo] = data
         self.inflight_bytes += length
-        self.nursery.start_soon(self._store, st, blk.index, data, buf)
+        self.nursery.start_soon(self._store, st, lo, data, buf)
+
+    def _block_end(self, st: FileState, lo: int) -> int:
+        """Where the block starting at `lo` ends, by the file's current layout (a cut
+        added since the block was made, always past its data, may have shortened it)."""
+        return st.layout_for(self.block).span(lo)[1]
 
     async def _store(
-        self, st: FileState, idx: int, data: memoryview | Pieces, buf: bytearray | Pieces
+        self, st: FileState, lo: int, data: memoryview | Pieces, buf: bytearray | Pieces
     ) -> None:
         try:
             # One worker call per block: hash, "is it known?", store. Separate calls for the
@@ -270,40 +313,39 @@ class FileCache:
                 self._hash_and_store, data, limiter=self.store_limiter
             )
         except Exception as e:  # the writer learns it at flush/fsync/close
-            log.error("storing block %d of inode %d failed: %s", idx, st.ino, e)
+            log.error("storing the block at %d of inode %d failed: %s", lo, st.ino, e)
             st.error = e
-            self._requeue(st, idx, data)
+            self._requeue(st, lo, data)
         else:
-            lo = idx * self.block
             st.set_extents(splice(st.extents, lo, lo + len(data), [Extent(lo, len(data), cid, 0)]))
             if rec is not None:
                 st.new_chunks[cid] = rec
                 if len(st.new_chunks) > st.records_max:
                     st.drop_superseded_inline()
         finally:
-            st.sealing.pop(idx, None)
+            st.sealing.pop(lo, None)
             self.inflight_bytes -= len(data)
             data.release()
             if isinstance(buf, bytearray):
                 self.pool.put(buf)
             self._changed.unpark_all()
 
-    def _requeue(self, st: FileState, idx: int, data: memoryview | Pieces | bytes) -> None:
-        """A block whose store failed goes back as dirty, whole (called while its index is
+    def _requeue(self, st: FileState, lo: int, data: memoryview | Pieces | bytes) -> None:
+        """A block whose store failed goes back as dirty, whole (called while its offset is
         still in `st.sealing`, so no newer block for it exists). The commit that reports the
         error clears it and the next one stores the block again: a metadata service down
         past the client's retry window used to mark the file failed for good, and its data
         was dropped at unmount even after the service came back."""
         if st.attr.nlink <= 0 and st.opens <= 0:
             return  # unlinked and closed meanwhile: nobody can read it back
-        blk = DirtyBlock(st.ino, idx)
+        blk = DirtyBlock(st.ino, lo)
         pos = 0
         for part in parts_of(data):  # copied: the sealed buffer goes back to the pool
             blk.write(pos, part)
             pos += len(part)
         blk.counted = blk.nbytes
         self.dirty_bytes += blk.nbytes
-        st.blocks[idx] = blk
+        st.blocks[lo] = blk
 
     def _hash_and_store(self, data: memoryview | Pieces) -> tuple[bytes, NewChunk | None]:
         """Worker thread: the block through the volume's chunk sink in one call."""
@@ -375,16 +417,15 @@ class FileCache:
         Saves the small-file close two trips between the trio thread and the workers."""
         if st.error is not None or st.sealing or len(st.blocks) != 1 or st.size > SMALL_COMMIT:
             return False
-        ((idx, blk),) = st.blocks.items()
-        lo = idx * self.block
+        ((lo, blk),) = st.blocks.items()
         length = st.size - lo
-        if blk.busy or idx != 0 or length <= 0 or blk.gaps(0, length):
-            return False
-        self._forget_block(st, idx, blk)
+        if blk.busy or lo != 0 or length <= 0 or blk.gaps(0, length):
+            return False  # (a block with no gap up to the size holds the whole file)
+        self._forget_block(st, blk)
         data = bytes(blk.buf[:length])
         if isinstance(blk.buf, bytearray):
             self.pool.put(blk.buf)
-        st.sealing[idx] = memoryview(data)
+        st.sealing[lo] = memoryview(data)
         version, size, mtime_ns = st.version, st.size, st.mtime_ns
         chunks = st.records()
         base = st.extents
@@ -416,10 +457,10 @@ class FileCache:
                 cid, rec, attr = await trio.to_thread.run_sync(work, limiter=self.store_limiter)
         except Exception as e:  # the store failed: like a failed background store
             log.error("storing the block of inode %d failed: %s", st.ino, e)
-            self._requeue(st, idx, data)  # reported here, retried by the next commit
+            self._requeue(st, lo, data)  # reported here, retried by the next commit
             raise FileError(errno.EIO, f"write error on inode {st.ino}: {e}") from None
         finally:
-            st.sealing.pop(idx, None)
+            st.sealing.pop(lo, None)
             self._changed.unpark_all()
         st.set_extents(splice(st.extents, lo, lo + length, [Extent(lo, length, cid, 0)]))
         if isinstance(attr, Exception):
@@ -477,25 +518,23 @@ class FileCache:
             return b""
         end = off + size
         # Snapshot newer data first, so a store landing while we fetch cannot hide it.
-        bs = self.block
+        # (Every held block is looked at: a handful, and only while the file is written.)
         layers: list[tuple[int, bytes]] = []
-        for idx in range(off // bs, (end - 1) // bs + 1):
-            if idx in st.sealing:  # copied: the buffer goes back to the pool once stored
-                lo, buf = idx * bs, st.sealing[idx]
-                s, e = max(lo, off), min(lo + len(buf), end)
-                if s < e:
-                    layers.append((s, bytes(buf[s - lo : e - lo])))
+        for lo, buf in st.sealing.items():  # copied: the buffer goes back to the pool
+            s, e = max(lo, off), min(lo + len(buf), end)
+            if s < e:
+                layers.append((s, bytes(buf[s - lo : e - lo])))
         spans: list[tuple[int, bytes]] = []
-        for idx in range(off // bs, (end - 1) // bs + 1):
-            blk = st.blocks.get(idx)
-            if blk is None:
+        for lo, blk in st.blocks.items():
+            if lo >= end or lo + blk.nbytes <= off:
                 continue
-            lo = idx * bs
             for a, b in blk.spans:
                 s, e = max(lo + a, off), min(lo + b, end)
                 if s < e:
                     spans.append((s, bytes(blk.buf[s - lo : e - lo])))
         sequential = off <= st.read_end <= end or off == 0
+        if off != st.read_end:
+            st.run_start = off  # a new run of contiguous reads
         st.read_end = end
         data = await self._read_extents(st.extents, st, off, size, readahead=sequential)
         if not layers and not spans:
@@ -523,32 +562,50 @@ class FileCache:
         )
         idx = overlapping(extents, starts, off, end)
         if readahead and idx:
-            self._prefetch(extents[idx[-1] + 1 : idx[-1] + 1 + self.readahead])
+            self._prefetch(st, extents[idx[-1] + 1 : idx[-1] + 1 + self.readahead])
         if len(idx) == 1:
             e = extents[idx[0]]
             if e.offset <= off and e.offset + e.length >= end:
-                raw = await self.chunk(e)
+                slot = self._slot(e)
+                raw = await self._wait(e.chunk_id, slot)
+                slot.done |= end == e.offset + e.length
                 s = e.chunk_off + off - e.offset
                 return memoryview(raw)[s : s + size]
         slots = [(extents[i], self._slot(extents[i])) for i in idx]
         out = bytearray(size)
         for e, slot in slots:
             raw = await self._wait(e.chunk_id, slot)
+            slot.done |= end >= e.offset + e.length
             s = max(off, e.offset)
             t = min(end, e.offset + e.length)
             view = memoryview(raw)[e.chunk_off + s - e.offset : e.chunk_off + t - e.offset]
             out[s - off : t - off] = view
         return out
 
-    def _prefetch(self, extents: list[Extent]) -> None:
+    def _prefetch(self, st: FileState | None, extents: list[Extent]) -> None:
         """Fetch the next chunks of a sequential reader, within half the cache.
 
         Many readers at once (8 DCP ranks, each with its own file) would otherwise prefetch
         more than the cache holds and evict each other's chunks before they are read, then
         fetch them again: measured, 8 parallel cold readers ran at half the speed of the
-        same reads one after another."""
+        same reads one after another.
+
+        Not past a cut of the file's layout (a torch.save entry's end), unless the reader
+        has read through two cuts without a jump: torch.load reads each tensor whole, in
+        the order of its state dict, which is not the order of the file's entries, so the
+        chunks after an entry were fetched for nothing and pushed out chunks other ranks
+        were reading (8 parallel loads fetched every chunk twice)."""
+        cuts = st.layout_for(self.block).cuts if st is not None else [0]
+        streaming = True
+        if len(cuts) > 1 and st is not None:  # cuts crossed since the run began
+            crossed = bisect.bisect_left(cuts, st.read_end) - bisect.bisect_right(
+                cuts, st.run_start
+            )
+            streaming = crossed >= 2
         for e in extents:
             if self._ahead_bytes + self.block > self.cache_max // 2:
+                return
+            if not streaming and _is_cut(cuts, e.offset):
                 return
             if e.chunk_id not in self._chunks:
                 self._slot(e, ahead=True)
@@ -623,15 +680,18 @@ class FileCache:
         return self.vol.fetch_chunk(cid, view=True, small=small)
 
     def _evict(self, limit: int) -> None:
-        """Drop the least recently used fetched chunks (never in-flight ones), chunks already
-        read before read-ahead nobody has used yet."""
+        """Drop the least recently used fetched chunks (never in-flight ones): chunks read
+        to their end first, then chunks already read from, then read-ahead nobody has used
+        yet. (A chunk a reader is in the middle of went before read-ahead did: 8 parallel
+        torch.loads fetched their chunks twice.)"""
         if self._cached_bytes <= limit:
             return
-        for spare_ahead in (True, False):
+        for keep in ("not done", "ahead", "nothing"):
             for cid, slot in list(self._chunks.items()):
                 if self._cached_bytes <= limit:
                     return
-                if slot.event.is_set() and not (spare_ahead and slot.ahead):
+                spared = (keep == "not done" and not slot.done) or (keep == "ahead" and slot.ahead)
+                if slot.event.is_set() and not spared:
                     del self._chunks[cid]
                     self._cached_bytes -= slot.nbytes
                     self._consumed(slot)
@@ -645,3 +705,8 @@ class FileCache:
 
     async def chunk(self, e: Extent) -> bytes:
         return await self._wait(e.chunk_id, self._slot(e))
+
+
+def _is_cut(cuts: list[int], x: int) -> bool:
+    i = bisect.bisect_left(cuts, x)
+    return i < len(cuts) and cuts[i] == x

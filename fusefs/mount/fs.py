@@ -7,10 +7,12 @@ fsync'd, in one commit (close-to-open consistency). Every handler maps
 errors to an errno: MetaError and FileError carry one, anything unexpected
 is logged and answered with EIO, so bad input never takes the daemon down.
 
-Kernel caching: entries and attributes are cached for a second; a file's
-page cache is kept across opens while its content generation (bumped by each
-extent commit) is the one whose pages the kernel holds, and dropped, with
-its cached attributes, when another writer changed it.
+Metadata caching (fusefs.mount.metacache): the kernel keeps entries, attributes and
+negative entries for a minute, the daemon keeps attributes and names, and the
+metadata's change log invalidates both within a second of a change made by anyone
+else. A file's page cache is kept across opens while its content generation (bumped by
+each extent commit) is the one whose pages the kernel holds, and dropped, with its
+cached attributes, when another writer changed it (an open asks the metadata itself).
 
 Write-only opens (torch.save, cp, tar, rsync, dd of=) use direct I/O: the kernel
 hands the writer's pages to the daemon without copying them into its page cache,
@@ -43,17 +45,21 @@ import pyfuse3
 import trio
 
 from chunkstore.store import ChunkStoreError
-from fusefs.client.extents import clip
 from fusefs.client.volume import Volume
 from fusefs.maint.backup import run_auto_backups
 from fusefs.mount.blocks import FileError, FileState
 from fusefs.mount.filecache import FileCache
+from fusefs.mount.metacache import MetaCache
+from fusefs.mount.tuning import (
+    mount_options,
+    tune_background,
+    tune_malloc,
+    tune_readahead,
+)
 from metadata.engine import NAME_MAX, STAGED, Attr, MetaBusy, MetaError
 
 log = logging.getLogger("ckptfs.mount")
 
-ENTRY_TIMEOUT = 1.0
-ATTR_TIMEOUT = 1.0
 DOTS = 2  # readdir cookies 1 and 2 are "." and ".."
 BLKSIZE = 1 << 20  # st_blksize: stdio, cp and dd pick their buffer size from it
 CONTROL_FLUSH = b"user.ckptfs.flush"  # setxattr on the root: drain the write-behind tier
@@ -124,6 +130,7 @@ class CkptFS(pyfuse3.Operations):
         self.orphans: set[int] = set()  # nlink 0, still known to the kernel or open
         self.direct_written: set[int] = set()  # written past the page cache since last open
         self.lookups: dict[int, int] = {}  # the kernel's lookup count per inode
+        self.mc = MetaCache(self.lookups)  # names and attributes, kept by the change feed
         self.page_gen: dict[int, int] = {}  # generation whose pages the kernel may hold
         self._statfs: tuple[float, tuple[int, int]] | None = None
         self.requests = 0
@@ -143,6 +150,7 @@ class CkptFS(pyfuse3.Operations):
                 async with trio.open_nursery() as n:
                     n.start_soon(self._signals)
                     n.start_soon(self._probe, on_ready)
+                    n.start_soon(self.mc.run, self.meta, self.vol.meta)
                     if self.vol.meta.housekeeping_interval is not None:
                         n.start_soon(self._housekeeping)
                     if self.vol.base_dir is not None:  # a volume directory: no service
@@ -177,7 +185,8 @@ class CkptFS(pyfuse3.Operations):
         st = await trio.to_thread.run_sync(os.stat, self.mountpoint)
         # Not a second stat here: on this (the serving) thread, a stat whose cached
         # attributes have expired waits for a GETATTR that only this thread can answer.
-        tune_readahead(st.st_dev)
+        await trio.to_thread.run_sync(tune_readahead, st.st_dev)
+        await trio.to_thread.run_sync(tune_background, st.st_dev)
         if on_ready is not None:
             on_ready()
 
@@ -185,11 +194,38 @@ class CkptFS(pyfuse3.Operations):
         assert self.cache is not None
         return await self.cache.meta(fn, *args, **kw)
 
-    async def _getattr(self, ino: int) -> Attr:
-        return await self._local_call("getattr", ino)
+    async def _getattr(self, ino: int, *, fresh: bool = False) -> Attr:
+        """An inode's attributes: the daemon's cache, else the metadata (fresh=True: the
+        metadata always, as an open needs for close-to-open)."""
+        if not fresh:
+            a = self.mc.attr(ino)
+            if a is not None:
+                return a
+        gen = self.mc.gen
+        a = await self._local_call("getattr", ino)
+        self.mc.put_attr(a, gen)
+        return a
 
     async def _lookup(self, parent: int, name: bytes) -> Attr:
-        return await self._local_call("lookup", parent, name)
+        """What a name holds: the daemon's cache (ENOENT for a name cached as absent),
+        else the metadata, whose answer is cached."""
+        ino = self.mc.name(parent, name)
+        if ino == 0:
+            raise MetaError(errno.ENOENT, "no such entry (cached)")
+        if ino is not None:
+            a = self.mc.attr(ino)
+            if a is not None:
+                return a
+        gen = self.mc.gen
+        try:
+            a = await self._local_call("lookup", parent, name)
+        except MetaError as e:
+            if e.errno == errno.ENOENT:
+                self.mc.put_name(parent, name, 0, gen)
+            raise
+        self.mc.put_name(parent, name, a.ino, gen)
+        self.mc.put_attr(a, gen)
+        return a
 
     async def _local_call(self, method: str, *args: Any, **kw: Any) -> Any:
         """A short metadata call, run right here when the engine has a loop engine
@@ -223,18 +259,19 @@ class CkptFS(pyfuse3.Operations):
         v.ctime_ns = max(v.ctime_ns, st.mtime_ns)  # a write changes ctime too
         return v
 
-    def _ref(self, a: Attr) -> pyfuse3.EntryAttributes:
+    def _ref(self, a: Attr, gen: int | None = None) -> pyfuse3.EntryAttributes:
         """An entry reply: the kernel now holds one more lookup of the inode."""
         self.lookups[a.ino] = self.lookups.get(a.ino, 0) + 1
-        return self._entry(a)
+        return self._entry(a, gen)
 
-    def _entry(self, a: Attr) -> pyfuse3.EntryAttributes:
+    def _entry(self, a: Attr, gen: int | None = None) -> pyfuse3.EntryAttributes:
+        """Entry and attribute reply. `gen`: the cache's invalidation count when the read
+        behind it began (None: attributes a change made here returned, current)."""
         a = self._view(a)
         e = pyfuse3.EntryAttributes()
         e.st_ino = a.ino
         e.generation = 0
-        e.entry_timeout = ENTRY_TIMEOUT
-        e.attr_timeout = ATTR_TIMEOUT
+        e.entry_timeout = e.attr_timeout = self.mc.timeout(gen)
         e.st_mode = a.mode
         e.st_nlink = a.nlink
         e.st_uid = a.uid
@@ -251,22 +288,53 @@ class CkptFS(pyfuse3.Operations):
     async def _make(self, parent_inode: int, name: bytes, mode: int, ctx, **kw) -> Attr:
         """Create an inode owned by the caller, with BSD group semantics under a setgid
         directory (the engine applies them in the creating transaction)."""
-        return await self._local_call(
+        a = await self._local_call(
             "create", parent_inode, name, mode, ctx.uid, ctx.gid, setgid_inherit=True, **kw
         )
+        self._named(parent_inode, name, a)
+        return a
+
+    def _named(self, parent: int, name: bytes, a: Attr) -> None:
+        """A name made here: cached, and its directory's attributes (times, links) dropped."""
+        self.mc.put_name(parent, name, a.ino)
+        self.mc.put_attr(a)
+        self.mc.drop_attr(parent)
+
+    def _unnamed(self, parent: int, name: bytes) -> None:
+        """A name removed here (or replaced): forgotten, with its directory's attributes."""
+        self.mc.drop_name(parent, name)
+        self.mc.drop_attr(parent)
+
+    def _negative(self, gen: int) -> pyfuse3.EntryAttributes:
+        """A lookup of a name that does not exist: an entry of inode 0, which the kernel
+        keeps as a negative entry for its timeout (no FORGET follows)."""
+        e = pyfuse3.EntryAttributes()
+        e.st_ino = 0
+        e.entry_timeout = self.mc.negative_timeout(gen)
+        if not e.entry_timeout:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return e
 
     # -- namespace -------------------------------------------------------------
     @handler
     async def lookup(self, parent_inode, name, ctx=None):
+        gen = self.mc.gen
         if name == b".":
-            return self._ref(await self._getattr(parent_inode))
+            return self._ref(await self._getattr(parent_inode), gen)
         if len(name) > NAME_MAX:
             raise pyfuse3.FUSEError(errno.ENAMETOOLONG)
-        return self._ref(await self._lookup(parent_inode, name))
+        try:
+            a = await self._lookup(parent_inode, name)
+        except MetaError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            return self._negative(gen)
+        return self._ref(a, gen)
 
     @handler
     async def getattr(self, inode, ctx=None):
-        return self._entry(await self._getattr(inode))
+        gen = self.mc.gen
+        return self._entry(await self._getattr(inode), gen)
 
     @handler
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -311,11 +379,11 @@ class CkptFS(pyfuse3.Operations):
             new = await self._local_call("setattr", inode, **kw)
         if st is not None:
             if fields.update_size:
-                st.size = new.size
-                st.set_extents(clip(st.extents, new.size))
+                st.truncated(new.size)
             st.attr = new
         if fields.update_size:
             self.page_gen[inode] = new.generation
+        self.mc.put_attr(new)
         return self._entry(new)
 
     @handler
@@ -340,27 +408,44 @@ class CkptFS(pyfuse3.Operations):
 
     @handler
     async def link(self, inode, new_parent_inode, new_name, ctx):
-        return self._ref(await self._local_call("link", inode, new_parent_inode, new_name))
+        a = await self._local_call("link", inode, new_parent_inode, new_name)
+        self._named(new_parent_inode, new_name, a)
+        return self._ref(a)
 
     @handler
     async def unlink(self, parent_inode, name, ctx):
         after = await self._local_call("unlink", parent_inode, name)
+        self._unnamed(parent_inode, name)
         await self._maybe_orphan(after)
 
     @handler
     async def rmdir(self, parent_inode, name, ctx):
-        await self._maybe_orphan(await self._local_call("rmdir", parent_inode, name, keep=True))
+        after = await self._local_call("rmdir", parent_inode, name, keep=True)
+        self._unnamed(parent_inode, name)
+        self.mc.drop_dir(after.ino)
+        await self._maybe_orphan(after)
 
     @handler
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        # the moved inode's ctime changes: its cached attributes go (found by name first)
+        moved = self.mc.name(parent_inode_old, name_old)
+        if moved is None:
+            moved = (await self._local_call("lookup", parent_inode_old, name_old)).ino
         replaced = await self._local_call(
             "rename", parent_inode_old, name_old, parent_inode_new, name_new, flags, keep=True
         )
+        other = self.mc.name(parent_inode_new, name_new)
+        self._unnamed(parent_inode_old, name_old)
+        self._unnamed(parent_inode_new, name_new)
+        for ino in (moved, other):
+            if ino:
+                self.mc.drop_attr(ino)
         if replaced is not None:
             await self._maybe_orphan(replaced)
 
     async def _maybe_orphan(self, a: Attr) -> None:
         """An inode whose last name went: delete it now, or at its last close."""
+        self.mc.put_attr(a)
         st = self.cache.states.get(a.ino)
         if st is not None:
             st.attr.nlink = a.nlink
@@ -383,6 +468,7 @@ class CkptFS(pyfuse3.Operations):
             return
         self.orphans.discard(ino)
         self.page_gen.pop(ino, None)
+        self.mc.forget(ino)
         if st is not None:
             self.cache.discard(st)
             self.cache.drop_if_idle(st)
@@ -434,15 +520,18 @@ class CkptFS(pyfuse3.Operations):
                     return
         off = max(start_id - DOTS, 0)
         for _ in range(1 << 30):
+            gen = self.mc.gen
             batch = await self.meta(self.vol.meta.readdir, fh, off, 512)
             if not batch:
                 return
             for e in batch:
                 if not pyfuse3.readdir_reply(
-                    token, e.name, self._entry(e.attr), e.next_offset + DOTS
+                    token, e.name, self._entry(e.attr, gen), e.next_offset + DOTS
                 ):
                     return
                 self.lookups[e.attr.ino] = self.lookups.get(e.attr.ino, 0) + 1
+                self.mc.put_name(fh, e.name, e.attr.ino, gen)  # readdirplus: the kernel
+                self.mc.put_attr(e.attr, gen)  # holds the entry now
             off = batch[-1].next_offset
 
     async def releasedir(self, fh):
@@ -521,6 +610,7 @@ class CkptFS(pyfuse3.Operations):
         kill = self._kill_bits(st.attr.mode, st.attr.gid, groups)
         if kill:
             st.attr = await self._local_call("setattr", st.ino, clear_mode=kill)
+            self.mc.put_attr(st.attr)
             await trio.to_thread.run_sync(_invalidate_attr, st.ino)
 
     @handler
@@ -538,7 +628,7 @@ class CkptFS(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         st = self.cache.states.get(inode)
         if st is None:
-            a = await self._getattr(inode)
+            a = await self._getattr(inode, fresh=True)  # close-to-open: never a cached copy
             if a.is_dir:
                 raise pyfuse3.FUSEError(errno.EISDIR)
             if not a.is_reg:
@@ -550,6 +640,7 @@ class CkptFS(pyfuse3.Operations):
                 a = await self.meta(
                     lambda: self.vol.meta.setattr(inode, size=0, clear_mode=kill)
                 )  # fmt: skip
+                self.mc.put_attr(a)
             keep = self.page_gen.get(inode) == a.generation
             if kill or (not keep and inode in self.page_gen):
                 await trio.to_thread.run_sync(_invalidate_attr, inode)
@@ -584,7 +675,7 @@ class CkptFS(pyfuse3.Operations):
         was held read the content from before the other mount's close."""
         if st.unflushed:
             return True
-        a = await self._getattr(st.ino)
+        a = await self._getattr(st.ino, fresh=True)
         if a.generation == st.attr.generation or not await self.cache.reload(st, a):
             return True
         await trio.to_thread.run_sync(_invalidate_attr, st.ino)
@@ -593,9 +684,9 @@ class CkptFS(pyfuse3.Operations):
     async def _truncate(self, st: FileState, size: int) -> None:
         await self.cache.commit(st)
         new = await self.meta(lambda: self.vol.meta.setattr(st.ino, size=size))
-        st.size = new.size
-        st.set_extents(clip(st.extents, size))
+        st.truncated(new.size)
         st.attr = new
+        self.mc.put_attr(new)
 
     @handler
     async def read(self, fh, off, size):
@@ -617,8 +708,11 @@ class CkptFS(pyfuse3.Operations):
     async def _commit(self, st: FileState) -> None:
         if st.attr.nlink <= 0 and st.ino in self.orphans:
             return  # nobody can open it again: its data need not be published
+        before = st.attr
         await self.cache.commit(st)
         self.page_gen[st.ino] = st.attr.generation
+        if st.attr is not before:  # committed: the new size, times and blocks
+            self.mc.put_attr(st.attr)
 
     @handler
     async def flush(self, fh):
@@ -657,6 +751,7 @@ class CkptFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EPERM)
         _check_xattr_name(name)
         await self.meta(self.vol.meta.set_xattr, inode, name, value)
+        self.mc.drop_attr(inode)  # its ctime
 
     @handler
     async def getxattr(self, inode, name, ctx):
@@ -678,6 +773,7 @@ class CkptFS(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EPERM)
         _check_xattr_name(name)
         await self.meta(self.vol.meta.remove_xattr, inode, name)
+        self.mc.drop_attr(inode)  # its ctime
 
     async def _info(self, inode: int, key: bytes) -> bytes:
         """The read-only user.ckptfs.* attributes, computed from the committed extents."""
@@ -732,52 +828,6 @@ def _invalidate_attr(inode: int) -> None:
             log.warning("invalidate inode %d: %s", inode, e)
 
 
-def tune_readahead(dev: int) -> None:
-    """Raise the kernel's read-ahead for this mount (root only; best effort).
-
-    The default 128 KiB turns a sequential read into many small FUSE requests;
-    4 MiB lets each request carry up to max_read bytes and keeps the daemon's
-    chunk prefetch busy.
-    """
-    try:
-        path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
-        with open(path, "w") as f:
-            f.write("4096")
-    except OSError as e:
-        log.debug("read-ahead not tuned: %s", e)
-
-
-def mount_options(*, allow_other: bool = False, fsname: str = "ckptfs") -> set[str]:
-    opts = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
-    # nodev, nosuid: a device node or setuid file that any client of a shared volume can
-    # make must not act as one on this host (they are stored and listed all the same)
-    opts |= {f"fsname={fsname}", "subtype=ckptfs", "noatime", "nodev", "nosuid"}
-    if allow_other:
-        opts.add("allow_other")
-    return opts
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
-
-
-def _tune_malloc() -> None:
-    """Keep the daemon's request buffers in the heap (glibc only; best effort).
-
-    Every FUSE write arrives as a fresh 1 MiB bytes object. With glibc's defaults those are
-    mmap'd, or the heap top is trimmed after them, so each request faults in and zeroes
-    256 new pages: 10% of the daemon's CPU in a 1 GiB write. A fixed mmap threshold and a
-    trim threshold above the working set (requests plus dirty blocks in flight) keep reusing
-    the same pages."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
-        libc.mallopt(_M_TRIM_THRESHOLD, 128 * 2**20)
-    except (OSError, AttributeError) as e:
-        log.debug("malloc not tuned: %s", e)
-
-
 def _check_xattr_name(name: bytes) -> None:
     """Namespaces stored here: user.* and trusted.*, as Linux filesystems answer: another
     namespace is not supported (EOPNOTSUPP), a name with nothing after it is invalid."""
@@ -807,7 +857,7 @@ def serve(
     fs = CkptFS(vol, mountpoint)
     if on_start is not None:
         on_start(fs)
-    _tune_malloc()
+    tune_malloc()
     pyfuse3.init(fs, mountpoint, mount_options(allow_other=allow_other))
     try:
         trio.run(fs.run, on_ready)
