@@ -129,6 +129,22 @@ class LeaseMixin:
         )
 
     @retried
+    def end_chunk_leases(self, ids: list[bytes]) -> None:
+        """A writer gives these chunks up (its save failed): their live leases lapse now,
+        so gc may collect the objects after the grace period, not the lease's TTL. A
+        commit naming one later is refused, as for any lapsed lease."""
+        ids = sorted(set(ids))
+        if not ids:
+            return
+        with self._tx() as c:
+            self._lock_named(c, CHUNK_GATE, shared=True)
+            self._ensure_leases(c)
+            c.executemany(
+                self._q("UPDATE chunk_leases SET expires = 0 WHERE id = ? AND expires > 0"),
+                [(bytearray(cid),) for cid in ids],
+            )
+
+    @retried
     def renew_chunk_leases(self, ids: list[bytes]) -> set[bytes]:
         """Extend the live leases among ids; answers the ids not renewed (registered by a
         commit since, so no longer in flight, or lost: lapsed or condemned by gc)."""

@@ -60,8 +60,8 @@ MUTATING_METHODS = frozenset(
         "mark_durable", "begin", "commit_rank", "abort", "expire", "delete_checkpoint",
         "retain", "set_retention", "apply_retention", "fix_refcounts", "gc_chunk_rows",
         "record_under_replicated", "clear_under_replicated", "drop_chunk_rows",
-        "register_chunk_rows", "apply_pending", "renew_chunk_leases", "gc_orphan_objects",
-        "gc_release_objects",
+        "register_chunk_rows", "apply_pending", "renew_chunk_leases", "end_chunk_leases",
+        "gc_orphan_objects", "gc_release_objects",
     }
 )  # fmt: skip
 REMOTE_METHODS = READ_METHODS | MUTATING_METHODS

@@ -152,6 +152,20 @@ class ChunkSink:
         with self._cond:
             self._renewer = None
 
+    def end_leases(self) -> None:
+        """Give up every chunk leased to this volume's writers and not committed (a save
+        that failed, a process closing its volume): gc may then collect them after its
+        grace period. Ids committed meanwhile are unaffected (their rows keep them).
+        Best effort: otherwise they lapse at their TTL."""
+        with self._cond:
+            ids = list(self._leased)
+            self._leased.clear()
+        if ids:
+            try:
+                self.vol.meta.end_chunk_leases(ids)
+            except Exception as e:  # noqa: BLE001 - they lapse at their TTL anyway
+                log.warning("ckptfs: ending %d chunk leases failed: %s", len(ids), e)
+
     def close(self) -> None:
         """Stop renewing (the volume is closing: its engine goes next)."""
         self._closed.set()

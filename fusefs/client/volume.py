@@ -246,6 +246,7 @@ class Volume:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         self.sink.close()
+        self.sink.end_leases()  # chunks this process stored and never committed: gc may go
         if self.tier is not None:
             self.tier.close()
         self.store.close()

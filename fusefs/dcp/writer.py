@@ -278,7 +278,9 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
 
     def _abort(self, reason: str) -> None:
         try:
-            volume_for(self.volume, self.tier).meta.abort(self.job, self.step, reason[:500])
+            vol = volume_for(self.volume, self.tier)
+            vol.meta.abort(self.job, self.step, reason[:500])
+            vol.sink.end_leases()  # this save's chunks are nobody's: gc may take them
         except Exception:  # noqa: S110 - the original error is the one to report
             pass
 
