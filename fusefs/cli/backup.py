@@ -14,7 +14,7 @@ from functools import partial
 
 from fusefs.cli.text import shown
 from fusefs.cli.units import format_size
-from fusefs.client.volume import FORMAT_VERSION, VOLUME_FILE, Volume
+from fusefs.client.volume import VOLUME_FILE, Volume, write_volume_file
 from fusefs.maint import backup as bk
 from metadata.dump import DumpError, load_dump, read_records, write_dump
 from metadata.engines import open_engine
@@ -150,12 +150,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         os.makedirs(path, exist_ok=True)
         engine = open_engine(meta_url, path)
         out = load_dump(engine, read_records(src), config_fn=config)
-        tmp = os.path.join(path, VOLUME_FILE + ".tmp")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
-            json.dump({"format": FORMAT_VERSION, "meta": meta_url}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(path, VOLUME_FILE))
+        write_volume_file(path, meta_url)
     except BaseException as e:
         if engine is not None:
             engine.close()

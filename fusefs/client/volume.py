@@ -202,13 +202,7 @@ class Volume:
                     ensure()
             meta = _open_engine(meta_url, path)
             meta.init_volume(config)
-            tmp = os.path.join(path, VOLUME_FILE + ".tmp")
-            # not for others (0660 less the umask): a PostgreSQL URL may carry its password
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
-                json.dump({"format": FORMAT_VERSION, "meta": meta_url}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.rename(tmp, os.path.join(path, VOLUME_FILE))
+            write_volume_file(path, meta_url)
         except BaseException as e:
             if meta is not None:
                 meta.close()
@@ -558,3 +552,16 @@ def _remove_new(path: str, fresh: bool, before: set[str]) -> None:
                 os.unlink(p)
             except OSError:
                 pass
+
+
+def write_volume_file(path: str, meta_url: str) -> None:
+    """The volume directory's volume.json (where its metadata is), written atomically and
+    durably: the last step of a format, a load or a restore, so a volume either has it
+    whole or is not one. Not for others (0660 less the umask): a PostgreSQL URL may carry
+    its password."""
+    tmp = os.path.join(path, VOLUME_FILE + ".tmp")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
+        json.dump({"format": FORMAT_VERSION, "meta": meta_url}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(path, VOLUME_FILE))

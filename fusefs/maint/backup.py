@@ -52,6 +52,7 @@ from chunkstore.nodes import (
     parse_node_url,
 )
 from chunkstore.store import ChunkStore
+from fusefs.client.volume import VOLUME_FILE, write_volume_file
 from metadata.dump import DumpError, iter_table, load_dump, read_records, write_dump
 from metadata.engine import INLINE
 from metadata.engines import open_engine
@@ -409,7 +410,6 @@ def restore(
     *,
     backup: int | None = None,
     db: str | None = None,
-    volume_file: str = "volume.json",
 ) -> RestoreReport:
     """Rebuild a volume at `path` from a backup on these nodes (the newest, or `backup`).
 
@@ -418,7 +418,7 @@ def restore(
     backup does not name are left alone (gc deletes them after its grace period)."""
     t0 = time.monotonic()
     path = os.path.abspath(path)
-    if os.path.exists(os.path.join(path, volume_file)):
+    if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise BackupError(f"{path} already holds a volume")
     probe = open_nodes(node_urls)
     try:
@@ -447,12 +447,7 @@ def restore(
         rep.files, rep.checkpoints = out["files"], out["checkpoints"]
         rep.chunks = out["rows"].get("chunks", 0)
         rep.missing_chunks = [c.hex() for c in _missing(engine, nodes)]
-        tmp = os.path.join(path, volume_file + ".tmp")
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o660), "w") as f:
-            json.dump({"format": 1, "meta": meta_url}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(path, volume_file))
+        write_volume_file(path, meta_url)
     except BaseException as e:
         if engine is not None:
             engine.close()
@@ -460,7 +455,7 @@ def restore(
         if fresh:
             shutil.rmtree(path, ignore_errors=True)
         else:
-            for name in ("meta.db", "meta.db-wal", "meta.db-shm", volume_file + ".tmp"):
+            for name in ("meta.db", "meta.db-wal", "meta.db-shm", VOLUME_FILE + ".tmp"):
                 try:
                     os.unlink(os.path.join(path, name))
                 except OSError:

@@ -207,22 +207,17 @@ class ZipEntries:
         # pairs b"\x07\x08" at stream offset s: a descriptor would start at s - 2. Those
         # starting below `off` are looked for across the seam with the tail.
         seam_lo = max(self.at + 2, self.tail_off)
+        searches = [(data, off, max(0, self.at + 2 - off))]
         if seam_lo < off:
-            seam = self.tail[seam_lo - self.tail_off :] + data[:1]
-            s = seam.find(b"\x07\x08")
+            searches.insert(0, (self.tail[seam_lo - self.tail_off :] + data[:1], seam_lo, 0))
+        for buf, base, start in searches:
+            s = buf.find(b"\x07\x08", start)
             while s != -1:
-                q = seam_lo + s - 2
+                q = base + s - 2
                 got = self._check(off, data, q)
                 if got is not None:
                     return q if got else None
-                s = seam.find(b"\x07\x08", s + 1)
-        k = data.find(b"\x07\x08", max(0, self.at + 2 - off))
-        while k != -1:
-            q = off + k - 2
-            got = self._check(off, data, q)
-            if got is not None:
-                return q if got else None
-            k = data.find(b"\x07\x08", k + 1)
+                s = buf.find(b"\x07\x08", s + 1)
         self.at = max(self.at, end - 3)  # a signature split by the end of this append
         return None
 
