@@ -398,41 +398,6 @@ def test_grouped_journal_rows_apply_and_abort_per_rank(vol):
     assert all(rows[cid].refcount == k for cid, k in m.true_refcounts().items())
 
 
-def test_journal_columns_are_added_to_an_older_volume(tmp_path):
-    """A volume made before the grouped journal: pending old-layout rows still apply, and
-    the first checkpoint transaction adds the new columns."""
-    import sqlite3
-
-    from metadata.checkpoints import CHK, EXT
-    from metadata.sqlite import SqliteEngine
-
-    v = Volume.create(str(tmp_path / "vol"), nodes=2)
-    path = v.meta.path
-    v.close()
-    db = sqlite3.connect(path)
-    db.execute("DROP TABLE ref_journal")
-    db.execute(
-        "CREATE TABLE ref_journal (id INTEGER PRIMARY KEY, job TEXT NOT NULL, step INTEGER "
-        "NOT NULL, rank INTEGER NOT NULL, chunks BLOB NOT NULL, refs BLOB NOT NULL)"
-    )
-    b = _cid(b"old-row")
-    db.execute(
-        "INSERT INTO ref_journal (job, step, rank, chunks, refs) VALUES ('x', 0, 0, ?, ?)",
-        (CHK.pack(b, 4, 4, 1), EXT.pack(0, 4, 0, b)),
-    )
-    db.commit()
-    db.close()
-    m = SqliteEngine(path)
-    assert m.chunk_info([b])[b][2] == 1  # applied before any checkpoint transaction
-    m.begin("o", 1, 1)
-    cols = [r[1] for r in m._conn.execute("PRAGMA table_info(ref_journal)")]
-    assert cols[-2:] == ["ranks", "owned"]
-    a = _cid(b"old-layout")
-    m.commit_rank("o", 1, 0, _files("f", [a, a], [a]))
-    assert m.chunk_info([a])[a][2] == 2
-    m.close()
-
-
 def test_batch_path_checks_refuse_exactly_the_bad_ranks(vol):
     """A big group commit checks all its paths at once; a batch with a bad one is checked
     again path by path, so each bad rank gets the error it gets alone."""
