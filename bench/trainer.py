@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,10 +45,10 @@ from bench.fuse import (  # noqa: E402
     drain,
     drop_caches,
     mbps,
-    mount_ckptfs,
     seq_read,
     seq_write,
     unmount,
+    wait_mounted,
 )
 
 MiB = 2**20
@@ -142,6 +143,17 @@ class Ranks:
                 p.kill()
 
 
+def mount_ckptfs(code: str, vol: str, mp: str, env: dict, *opts: str) -> subprocess.Popen:
+    """`ckptfs mount` from the checkout `code`: run from there, since `python -m` puts the
+    working directory ahead of PYTHONPATH (bench.fuse's helper runs this checkout's)."""
+    os.makedirs(mp, exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fusefs.cli", "mount", vol, mp, *opts], env=env, cwd=code
+    )
+    wait_mounted(mp, proc)
+    return proc
+
+
 # -- stat ----------------------------------------------------------------------------
 def make_files(directory: str, n: int) -> None:
     os.makedirs(directory, exist_ok=True)
@@ -179,11 +191,15 @@ def cold_stat_rate(paths: list[str]) -> float:
     return len(paths) / (time.perf_counter() - t)
 
 
-def stored(vol: str) -> tuple[int, int]:
-    from fusefs.client.volume import Volume
-
-    with Volume.open(vol) as v:
-        s = v.stats()
+def stored(code: str, vol: str, env: dict) -> tuple[int, int]:
+    """(stored, raw) bytes of the volume's chunks, read by the code under test (a newer
+    checkout would upgrade an older volume's schema under the running daemon)."""
+    res = subprocess.run(
+        [sys.executable, "-c", "import json, sys; from fusefs.client.volume import Volume; "
+         "v = Volume.open(sys.argv[1]); print(json.dumps(v.stats())); v.close()", vol],
+        env=env, cwd=code, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    s = json.loads(res.stdout)
     return s["stored_bytes"], s["raw_unique_bytes"]
 
 
@@ -210,18 +226,20 @@ def main() -> int:
     env = dict(os.environ)
     env["XDG_DATA_HOME"] = os.path.join(base, "xdg")
     env["XDG_CACHE_HOME"] = os.path.join(base, "xdg-cache")
-    env["PYTHONPATH"] = os.path.abspath(args.code)
-    out: dict = {"code": os.path.abspath(args.code), "loadavg": [round(os.getloadavg()[0], 1)]}
+    code = os.path.abspath(args.code)
+    env["PYTHONPATH"] = code
+    out: dict = {"code": code, "loadavg": [round(os.getloadavg()[0], 1)]}
     opts = ["--staging", os.path.join(base, "staging")]
     vol, mnt, disk = (os.path.join(base, d) for d in ("vol", "mnt", "disk"))
     os.makedirs(disk)
     proc = None
     ranks: Ranks | None = None
     try:
-        from fusefs.client.volume import Volume
-
-        Volume.create(vol).close()
-        proc = mount_ckptfs(vol, mnt, env, *opts)
+        subprocess.run(
+            [sys.executable, "-m", "fusefs.cli", "format", vol],
+            env=env, cwd=code, check=True, capture_output=True,
+        )  # fmt: skip
+        proc = mount_ckptfs(code, vol, mnt, env, *opts)
         out["dropped_caches"] = drop_caches()
 
         if "seq" in phases:
@@ -256,7 +274,7 @@ def main() -> int:
             os.sync()
             out["ckpt_step1_s"] = round(ranks.run("save", path(mnt, 1))[0], 3)
             out["ckpt_step1_drain_s"] = drain(mnt)
-            before = stored(vol)
+            before = stored(code, vol, env)
             _, changed = ranks.run("change", lambda r: (args.changed,))
             changed_bytes = sum(changed)
             os.sync()
@@ -266,7 +284,7 @@ def main() -> int:
             out["ckpt_step2_s"] = round(ranks.run("save", path(mnt, 2))[0], 3)
             out["daemon_cpu_s_step2"] = round(cpu_s(proc.pid) - c0, 2)
             out["ckpt_step2_drain_s"] = drain(mnt)
-            after = stored(vol)
+            after = stored(code, vol, env)
             out.update(
                 ckpt_step2_vs_disk=round(out["ckpt_step2_disk_s"] / out["ckpt_step2_s"], 3),
                 changed_mib=round(changed_bytes / MiB, 1),
@@ -283,7 +301,7 @@ def main() -> int:
                 for where in ("disk", "mount") if rnd % 2 == 0 else ("mount", "disk"):
                     if where == "mount":  # a fresh daemon: nothing warm in its memory
                         unmount(mnt, proc)
-                        proc = mount_ckptfs(vol, mnt, env, *opts)
+                        proc = mount_ckptfs(code, vol, mnt, env, *opts)
                     d = disk if where == "disk" else mnt
                     drop_caches()
                     c0 = cpu_s(proc.pid)

@@ -366,13 +366,14 @@ def test_torch_save_with_2_of_20_tensors_changed_stores_only_those(mounted):
     """torch.save files are cut at each tensor's zip entry: a step that changes 2 of 20
     tensors stores at most 1.1x their bytes (with fixed 4 MiB chunks, 1.4-1.7x: every
     changed tensor took the chunks it shared with its neighbours along). Step 1 is saved
-    by path (torch's C++ writer), step 2 through a Python file object: both writers'
-    request patterns cut the same chunks. Growth counts raw chunk bytes (no compression)."""
+    by path (torch's C++ writer), step 2 through a Python file object (whose 1 MiB buffer
+    would keep smaller tensors with their neighbours): both writers' request patterns cut
+    the same chunks. Growth counts raw chunk bytes (no compression)."""
     torch = pytest.importorskip("torch")
     from fusefs.client.volume import Volume
 
     g = torch.Generator().manual_seed(0)
-    sizes = [(i % 7 + 1) * 330_000 + 4 * i for i in range(20)]  # 0.3-2.3 MB, unaligned
+    sizes = [(i % 7 + 4) * 280_000 + 4 * i for i in range(20)]  # 1.1-2.8 MB, unaligned
     sd = {f"layer{i}.weight": torch.randn(n // 4, generator=g) for i, n in enumerate(sizes)}
     torch.save(sd, mounted.path("step1.pt"))
 

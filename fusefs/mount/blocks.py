@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import trio
 
 from fusefs.client.extents import clip
-from fusefs.mount.layout import ZIP_LOCAL, Layout, ZipEntries
+from fusefs.mount.layout import ZIP_LOCAL, Layout, ZipBoundaries
 from metadata.engine import (
     INLINE,
     Attr,
@@ -115,24 +115,6 @@ class Pieces:
             pos += len(parts[-1])
         return Pieces(parts)
 
-    def split(self, n: int) -> Pieces:
-        """Keep the first n bytes; return the rest as views (no copy)."""
-        head: list[memoryview] = []
-        rest: list[memoryview] = []
-        pos = 0
-        for p in self.parts:
-            if pos + len(p) <= n:
-                head.append(p)
-            elif pos >= n:
-                rest.append(p)
-            else:
-                head.append(p[: n - pos])
-                rest.append(p[n - pos :])
-            pos += len(p)
-        self.parts = head
-        self.n = min(n, self.n)
-        return Pieces(rest)
-
     def release(self) -> None:
         self.parts = []
 
@@ -206,21 +188,6 @@ class DirtyBlock:
             buf[pos : pos + len(p)] = p
             pos += len(p)
         self.buf = buf
-
-    def split(self, rel: int) -> DirtyBlock:
-        """Move the bytes at and past `rel` into a new block that starts there: a cut
-        made after they were placed (a zip entry known to be big only once its first
-        bytes came). Pieces stay views; a buffer's tail is copied (less than a block)."""
-        tail = DirtyBlock(self.ino, self.lo + rel)
-        tail.spans = [[max(a, rel) - rel, b - rel] for a, b in self.spans if b > rel]
-        self.spans = [[a, min(b, rel)] for a, b in self.spans if a < rel]
-        buf = self.buf
-        if isinstance(buf, Pieces):
-            tail.buf = buf.split(rel)
-        else:
-            tail.buf = bytearray(buf[rel:])
-            del buf[rel:]
-        return tail
 
     def _add_span(self, s: int, e: int) -> None:
         spans = self.spans
@@ -302,7 +269,7 @@ class FileState:
     commit_lock: trio.Lock = field(default_factory=trio.Lock)
     records_max: int = RECORDS_MAX  # past this many new_chunks: drop_superseded_inline
     layout: Layout | None = None  # block boundaries; made at the first write (`layout_for`)
-    entries: ZipEntries | None = None  # a zip being written front to back: its entry cuts
+    entries: ZipBoundaries | None = None  # a zip written front to back: finds its cuts
     _starts: list[int] | None = None
     _stored: int | None = None  # bytes the extents map (what a commit records as alloc)
 
@@ -344,16 +311,16 @@ class FileState:
         return self.layout
 
     def cut_entries(self, off: int, data: bytes) -> list[int]:
-        """Where to cut this file for the zip entries this append completes or reveals
-        (torch.save files; fusefs.mount.layout), in order; some may lie below `off`.
+        """Where to cut this file for the zip entries this append reveals (torch.save
+        files; fusefs.mount.layout), in order, none below `off`.
 
         A file written from byte 0 whose first bytes are a zip local header is followed,
-        append by append, by ZipEntries; any other write stops it for good."""
+        append by append, by ZipBoundaries; any other write stops it for good."""
         entries = self.entries
         if entries is None:
             if off != 0 or self.size != 0 or data[:4] != ZIP_LOCAL:
                 return []
-            entries = self.entries = ZipEntries()
+            entries = self.entries = ZipBoundaries()
         return entries.feed(off, data)
 
     def truncated(self, size: int) -> None:

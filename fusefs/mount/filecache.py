@@ -58,7 +58,6 @@ from fusefs.mount.blocks import (
     parts_of,
     zeros,
 )
-from fusefs.mount.layout import Layout
 from metadata.engine import (
     INLINE_DATA_MAX,
     Attr,
@@ -192,13 +191,12 @@ class FileCache:
         pos, n = 0, len(data)
         mv = memoryview(data)
         stable = isinstance(data, bytes)  # immutable: blocks may keep views of it
-        for c in st.cut_entries(off, data):
-            if c <= off and self._cut(st, layout, c) and c:
-                prev = st.blocks.get(layout.span(c - 1)[0])  # it ends at c now: whole?
-                if prev is not None and prev.covers(c - prev.lo):
+        for c in st.cut_entries(off, data):  # at or past `off`: no block holds bytes there
+            layout.cut(c)
+            if c == off and off:  # the block before ends here now: it may be whole
+                prev = st.blocks.get(layout.span(off - 1)[0])
+                if prev is not None and prev.covers(off - prev.lo):
                     await self.seal(st, prev)
-            elif c > off:
-                layout.cut(c)  # past every byte the file holds: nothing to move
         while pos < n:
             at = off + pos
             while True:
@@ -230,28 +228,6 @@ class FileCache:
         while self.inflight_bytes > self.inflight_max:
             await self._changed.park()
         return n
-
-    def _cut(self, st: FileState, layout: Layout, c: int) -> bool:
-        """Cut the layout at c, a point the file holds bytes at or just below. Bytes at
-        and past c move from the dirty block holding them to a new block at c. Returns
-        False, changing nothing, when that block is being sealed or stored already: a
-        block in flight must never overlap a newer one (the older store could land last),
-        so such an entry keeps the block it began in (its chunks deduplicate less)."""
-        if c <= layout.cuts[-1]:
-            return False
-        lo = layout.span(c)[0]
-        if lo < c < st.size:
-            blk = st.blocks.get(lo)
-            if blk is None or blk.busy or lo in st.sealing:
-                return False
-            before = blk.nbytes
-            tail = blk.split(c - lo)
-            st.blocks[c] = tail
-            tail.counted, blk.counted = tail.nbytes, blk.nbytes
-            self.dirty_bytes += blk.nbytes + tail.nbytes - before
-            self._lru[(st.ino, c)] = tail
-        layout.cut(c)
-        return True
 
     async def seal(self, st: FileState, blk: DirtyBlock) -> None:
         """Complete the block from the old content and hand it to a store task."""

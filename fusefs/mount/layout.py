@@ -7,7 +7,7 @@ and then every chunk size after it, up to the next cut:
 
 An ordinary file has the one cut 0: fixed, chunk-size-aligned blocks, as before (the
 volume's chunking). A zip archive written front to back, which is what `torch.save`
-writes, is cut where each entry's data begins and ends (`ZipEntries`): each tensor's
+writes, is cut where each entry's data begins and ends (`ZipBoundaries`): each tensor's
 storage is an entry, so an unchanged tensor maps to the same chunks whatever its
 neighbours did, and a step that changes 2 of 20 tensors stores those two, not the chunks
 they share with their neighbours (with fixed 4 MiB chunks a changed tensor dragged up to
@@ -15,16 +15,28 @@ two neighbouring chunks along: 1.4-1.7x the changed bytes). The bytes between tw
 entries' data (a data descriptor, the next local header with its name and padding) are a
 small chunk of their own: they change with the CRC of the data and with the archive's
 name, which torch.save takes from the file name (`step-100/data/0`), so data chunks that
-held them would differ at every step. Entries with less than ENTRY_MIN bytes of data get
-no cuts: they stay with the records around them (byte order, version, a step counter).
+held them would differ at every step. Entries seen to hold less than ENTRY_MIN bytes of
+data get no cuts: they stay with the records around them (byte order, version, a step
+counter).
 
-A cut is made before the bytes at it are placed in a block, or, when an entry turns out
-big only after its first bytes were placed, by splitting the block that holds them while
-it is still dirty (`FileCache._cut`); a block being stored is never split (the cut is then
-skipped, which costs deduplication, not correctness). Whatever the layout, a block is a
-plain byte range and the extents stay exact. A file opened again takes its cuts from its
-committed extents (`Layout.of_extents`), so a rewrite in place cuts the same chunks as the
-first write did.
+How the boundaries are found without reading every byte on the serving thread
+(`ZipBoundaries`): both of torch's writers write a big entry's data with a write() of its
+own, and the descriptor after it starts the next write() (Python's BufferedWriter writes a
+piece bigger than its buffer directly; torch's C++ writer hands its buffered header bytes
+and the data over in one writev). So only the start of each write request is looked at:
+a descriptor there ends an entry, a local header ending there begins one, and local
+headers in the request's first HEAD_SCAN bytes (the buffered bytes the C++ writer sends
+ahead of the data) begin others. Entries a writer buffers together with their neighbours
+(Python's buffer is st_blksize, 1 MiB on the mount) are not found and stay with the
+records around them. Scanning every byte for the descriptors of all entries instead cost
+1 ms per MiB with `bytes.find` (0.36 with numpy): as much again as everything else the
+serving thread does for a write.
+
+A cut is made before the bytes at it are placed in a block (it is never below the
+request that reveals it), so it never splits a block that holds data: whatever the
+layout, a block is a plain byte range and the extents stay exact. A file opened again
+takes its cuts from its committed extents (`Layout.of_extents`), so a rewrite in place
+cuts the same chunks as the first write did.
 """
 
 from __future__ import annotations
@@ -34,12 +46,13 @@ import struct
 
 from metadata.engine import Extent
 
-ENTRY_MIN = 64 * 1024  # entries with less data than this are not cut out
+ENTRY_MIN = 64 * 1024  # entries seen to hold less data than this are not cut out
+HEAD_SCAN = 16 * 1024  # bytes after a request's start searched for local headers
+HEADER_BACK = 1024  # how far before a request's start its local header may begin
 ZIP_LOCAL = b"PK\x03\x04"  # a zip local file header: an entry starts
-_ENDS = (b"PK\x01\x02", b"PK\x05\x06", b"PK\x06\x06")  # central directory, end records
 _DESC = b"PK\x07\x08"  # a data descriptor: the sizes of an entry written as a stream
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # signature .. extra length: 30 bytes
-_ZIP64_EXTRA = 0x0001
+_NAME_MAX = 1024
 
 
 class Layout:
@@ -86,171 +99,77 @@ class Layout:
             self.cuts.pop()
 
 
-class ZipEntries:
-    """Where the data of a zip archive's entries begins and ends, found as it is written
-    front to back: the cuts of its layout.
+class ZipBoundaries:
+    """The cuts of a zip archive written front to back, found at its write requests'
+    starts (see the module's docstring): where big entries' data begins and ends.
 
-    `feed(off, data)` takes each append in order and returns the offsets to cut at: the
-    start and the end of the data of every entry with at least ENTRY_MIN bytes of data.
-    The start of an entry whose size only its descriptor tells (below) is returned once
-    ENTRY_MIN of its bytes have arrived, so it may lie below `off`. The parser gives up for
-    good (`done`) on anything else: a write that is not the next append, bytes that are not
-    a zip record where one must be; and it is done at the central directory.
+    `feed(off, data)` takes each append in order and returns the cuts it reveals, all at
+    or past `off`. A write that is not the next append ends it for good (`done`)."""
 
-    An entry's length is in its local header, or, when the archive is written as a stream
-    (flag bit 3; torch.save's writer does this), only in the data descriptor after its
-    data. Scanning every byte for the descriptor's signature (`bytes.find` of its four
-    bytes) ran at 1.6 GB/s on this machine, too slow beside the serving thread; its last
-    two bytes, b"\\x07\\x08", are found at ~15 GB/s, and their false hits (one in 64 KiB of
-    random data) are checked here. A candidate counts only if its size field equals the
-    bytes since the entry's data began and a zip record follows it: a chance match would
-    need 64 bits to agree.
-    """
-
-    __slots__ = ("fed", "state", "at", "data_start", "big", "tail", "tail_off", "done")
-
-    HEADER = 0  # a local header (or the central directory) expected at `at`
-    SKIP = 1  # inside an entry whose header gave its size: the next header at `at`
-    DESC = 2  # inside a streamed entry: its descriptor is at `at` or later
+    __slots__ = ("fed", "tail", "done")
 
     def __init__(self) -> None:
-        self.fed = 0  # the stream so far: the next append starts here
-        self.state = self.HEADER
-        self.at = 0
-        self.data_start = 0
-        self.big = False  # the current streamed entry's start was returned as a cut
-        self.tail = b""  # stream bytes [tail_off, fed) a record not complete yet needs
-        self.tail_off = 0
+        self.fed = 0  # the next append starts here
+        self.tail = b""  # the last HEADER_BACK bytes before `fed`
         self.done = False
 
-    def feed(self, off: int, data: bytes) -> list[int]:
+    def feed(self, off: int, data: bytes | memoryview) -> list[int]:
         if self.done:
             return []
         if off != self.fed:
             self.done = True
             return []
-        cuts: list[int] = []
-        try:
-            self._parse(off, data, cuts)
-        except (struct.error, ValueError):
-            self.done = True
-        self.fed = end = off + len(data)
-        if self.done:
-            return cuts
-        if self.state == self.DESC and not self.big and end - self.data_start >= ENTRY_MIN:
-            cuts.append(self.data_start)  # a big streamed entry: cut where its data began
-            self.big = True
-        # keep what an unfinished record needs (at most ~128 KiB)
-        keep = self.at if self.state != self.SKIP else end
-        keep = min(max(keep, self.tail_off), end)
-        if keep < off:
-            self.tail = self.tail[keep - self.tail_off :] + data
-        else:
-            self.tail = bytes(data[keep - off :])
-        self.tail_off = keep
-        return cuts
+        head = bytes(data[: HEAD_SCAN + 1024])
+        window, base = self.tail + head, off - len(self.tail)
+        begins: set[int] = set()
+        ends: set[int] = set()
+        if head[:4] == _DESC:  # the entry before ends where this request starts
+            ends.add(off)
+        k = window.find(ZIP_LOCAL)
+        while k != -1:
+            h, k = base + k, window.find(ZIP_LOCAL, k + 1)
+            ds = _data_start(window, h - base)
+            if ds is None or (h < off and base + ds != off):
+                continue  # before this request: only a header whose data begins with it
+            begins.add(base + ds)
+            for size in (16, 24):  # the descriptor of the entry before it
+                q = h - size
+                if q >= off and window[q - base : q - base + 4] == _DESC:
+                    ends.add(q)
+        self.fed = off + len(data)
+        self.tail = (
+            (self.tail + head)[-HEADER_BACK:]
+            if len(data) < HEADER_BACK
+            else bytes(data[-HEADER_BACK:])
+        )
+        return _grouped(sorted(begins), sorted(ends), off)
 
-    def _get(self, off: int, data: bytes, lo: int, hi: int) -> bytes | None:
-        """Stream bytes [lo, hi) from the tail and this append; None if not all here."""
-        if hi > off + len(data):
-            return None
-        if lo >= off:
-            return data[lo - off : hi - off]
-        head = self.tail[lo - self.tail_off : hi - self.tail_off]
-        return head if hi <= off else head + data[: hi - off]
 
-    def _parse(self, off: int, data: bytes, cuts: list[int]) -> None:
-        end = off + len(data)
-        while True:
-            if self.state == self.SKIP:
-                if self.at >= end:
-                    return
-                self.state = self.HEADER
-            if self.state == self.HEADER:
-                at = self.at
-                head = self._get(off, data, at, at + _LOCAL.size)
-                sig = head[:4] if head is not None else self._get(off, data, at, at + 4)
-                if sig is None:
-                    return
-                if sig != ZIP_LOCAL:  # the central directory ends the entries; or not a zip
-                    self.done = True
-                    return
-                if head is None:
-                    return
-                _, _, flags, _, _, _, _, csize, usize, nlen, elen = _LOCAL.unpack(head)
-                full = self._get(off, data, at, at + _LOCAL.size + nlen + elen)
-                if full is None:
-                    return
-                ds = self.data_start = at + len(full)
-                if flags & 0x8:  # the sizes follow the data, in a descriptor
-                    self.state, self.at, self.big = self.DESC, ds, False
-                else:
-                    if csize == 0xFFFFFFFF:
-                        csize = _zip64_size(full[_LOCAL.size + nlen :], usize)
-                    if csize >= ENTRY_MIN:
-                        cuts += (ds, ds + csize)
-                    self.state, self.at = self.SKIP, ds + csize
-                continue
-            desc = self._descriptor(off, data)
-            if desc is None:
-                return
-            if self.big or desc - self.data_start >= ENTRY_MIN:
-                if not self.big:
-                    cuts.append(self.data_start)
-                cuts.append(desc)
+def _grouped(begins: list[int], ends: list[int], off: int) -> list[int]:
+    """The cuts: every data start and end found, except both ends of an entry seen to hold
+    less than ENTRY_MIN (it stays with the records around it), and any below `off`."""
+    cuts: set[int] = set()
+    for b in begins:
+        e = next((x for x in ends if x > b), None)
+        if e is None or e - b >= ENTRY_MIN:
+            cuts.add(b)
+    for e in ends:
+        b = max((x for x in begins if x < e), default=None)
+        if b is None or e - b >= ENTRY_MIN:
+            cuts.add(e)
+    return sorted(c for c in cuts if c >= off)
 
-    def _descriptor(self, off: int, data: bytes) -> int | None:
-        """The offset of the current entry's descriptor, if it is in what arrived (the
-        state then moves to the record after it); else None, and `at` stays where the
-        search must go on."""
-        end = off + len(data)
-        # pairs b"\x07\x08" at stream offset s: a descriptor would start at s - 2. Those
-        # starting below `off` are looked for across the seam with the tail.
-        seam_lo = max(self.at + 2, self.tail_off)
-        searches = [(data, off, max(0, self.at + 2 - off))]
-        if seam_lo < off:
-            searches.insert(0, (self.tail[seam_lo - self.tail_off :] + data[:1], seam_lo, 0))
-        for buf, base, start in searches:
-            s = buf.find(b"\x07\x08", start)
-            while s != -1:
-                q = base + s - 2
-                got = self._check(off, data, q)
-                if got is not None:
-                    return q if got else None
-                s = buf.find(b"\x07\x08", s + 1)
-        self.at = max(self.at, end - 3)  # a signature split by the end of this append
+
+def _data_start(buf: bytes, h: int) -> int | None:
+    """Where the data of the entry whose local header is at buf[h] begins (in buf), if a
+    plausible local header is there whole (an ASCII name of sane length, stored or
+    deflated, the flag bits zip writers use)."""
+    if h + _LOCAL.size > len(buf):
         return None
-
-    def _check(self, off: int, data: bytes, q: int) -> bool | None:
-        """Is the current entry's descriptor at q? True: yes (moved past it); False: maybe,
-        the rest of it has not arrived (the search resumes at q); None: no."""
-        n = q - self.data_start
-        if n < 0:
-            return None
-        for size, fmt in ((16, "<4sIII"), (24, "<4sIQQ")):
-            rec = self._get(off, data, q, q + size + 4)
-            if rec is None:
-                self.at = q
-                return False
-            sig, _, csize, _ = struct.unpack(fmt, rec[:size])
-            if sig != _DESC:
-                return None
-            if csize == n and rec[size:] in _RECORDS:
-                self.state, self.at = self.HEADER, q + size
-                return True
+    sig, _, flags, method, _, _, _, _, _, nlen, elen = _LOCAL.unpack_from(buf, h)
+    if sig != ZIP_LOCAL or method not in (0, 8) or not 0 < nlen <= _NAME_MAX or flags & 0xF7F0:
         return None
-
-
-_RECORDS = (ZIP_LOCAL, *_ENDS)
-
-
-def _zip64_size(extra: bytes, usize: int) -> int:
-    """The compressed size from a local header's zip64 extra field."""
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, n = struct.unpack_from("<HH", extra, pos)
-        if tag == _ZIP64_EXTRA:
-            i = 8 if usize == 0xFFFFFFFF else 0  # the original size first, if it overflowed
-            return struct.unpack_from("<Q", extra, pos + 4 + i)[0]
-        pos += 4 + n
-    raise ValueError("zip64 entry without its extra field")
+    name = buf[h + _LOCAL.size : h + _LOCAL.size + nlen]
+    if len(name) < nlen or not all(0x20 <= c < 0x7F for c in name):
+        return None
+    return h + _LOCAL.size + nlen + elen
