@@ -38,7 +38,7 @@ import time
 from typing import Any
 
 from metadata.engine import INLINE, MetaError, NewChunk
-from metadata.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
+from metadata.txlocks import CHUNK_GATE, retried
 
 LEASE_TTL_S = 1800.0  # a writer renews every RENEW_EVERY_S (sink.py), well within it
 LEASE_PURGE_S = 7 * 86400.0  # lapsed lease rows kept this long (a late commit is refused)
@@ -49,30 +49,21 @@ def _now() -> int:
 
 
 class LeaseMixin:
-    """Needs SqlEngine's `_tx`, `_x`, `_q`, `_has`, `_lock_named`, `_blob_type`, `_missing`."""
+    """Needs SqlEngine's `_tx`, `_x`, `_q`, `_has`, `_lock_named`, `_missing`."""
 
     _tx: Any
     _x: Any
     _q: Any
     _has: Any
     _lock_named: Any
-    _blob_type: Any
     _missing: Any
     _settle: Any
     lease_ttl_s: float = LEASE_TTL_S
-    _leases_ready = False
 
     def _ensure_leases(self, c: Any) -> None:
-        if self._leases_ready:
-            return
-        if not self._has(c, "chunk_leases", "*"):
-            self._lock_named(c, SCHEMA_LOCK)
-            self._x(
-                c,
-                f"CREATE TABLE IF NOT EXISTS chunk_leases (id {self._blob_type()} PRIMARY KEY, "
-                "expires BIGINT NOT NULL)",
-            )
-        self._leases_ready = True
+        """The table is part of the schema (made at format, or at open for an older
+        volume: SqlEngine.TABLES_ADDED), never here: DDL inside a writer's transaction
+        held the schema lock for every other writer until it ended."""
 
     def _lease_rows(self, c: Any, ids: list[bytes]) -> dict[bytes, int]:
         out: dict[bytes, int] = {}

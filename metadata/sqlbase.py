@@ -173,7 +173,9 @@ class SqlEngine(
     # -- volume --------------------------------------------------------------
     # Columns added since the first volumes, by table (declarations in SQLite's dialect).
     UPGRADES = {"inodes": {"alloc": "INTEGER NOT NULL DEFAULT -1"}}
-    TABLES_ADDED = ("inline_data",)  # tables since the first volumes (made from `_ddl`)
+    # tables since the first volumes (made from `_ddl` at open: made lazily, inside a
+    # writer's transaction, one held the schema lock for every other writer's first call)
+    TABLES_ADDED = ("inline_data", "chunk_leases")
 
     def _upgrade_schema(self) -> None:
         """Add the columns a volume made by an older version lacks; called at open, before

@@ -62,6 +62,8 @@ SCHEMA = [
     # (index) B-tree keeps a quarter page and spills the rest into an overflow page of its
     # own (measured at 16 KB pages: 830 against 990 small files/s).
     """CREATE TABLE IF NOT EXISTS inline_data (id BLOB PRIMARY KEY, data BLOB NOT NULL)""",
+    # leases of chunks stored and not yet committed (metadata/leases.py)
+    """CREATE TABLE IF NOT EXISTS chunk_leases (id BLOB PRIMARY KEY, expires INTEGER NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS xattrs (
         ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
         PRIMARY KEY (ino, name)) WITHOUT ROWID""",
