@@ -198,14 +198,20 @@ def test_fabric_shapes_cuts_heals_and_leaves_nothing():
         def reach() -> bool:
             return subprocess.run(a.prefix + probe, capture_output=True, timeout=20).returncode == 0
 
-        end = time.monotonic() + 10
-        while not reach():
-            assert time.monotonic() < end, "the server never became reachable"
-            time.sleep(0.2)
+        def reached_within(seconds: float) -> bool:
+            end = time.monotonic() + seconds
+            while not reach():
+                if time.monotonic() > end:
+                    return False
+                time.sleep(0.2)
+            return True
+
+        assert reached_within(10), "the server never became reachable"
         f.cut(a)
         assert not reach()
         f.heal(a)
-        assert reach()
+        # a link brought back up takes a moment (carrier, the bridge port) before it forwards
+        assert reached_within(10), "the healed link never forwarded again"
         qd = subprocess.run(["tc", "-n", a.ns, "qdisc", "show", "dev", "eth0"],
                             capture_output=True, text=True).stdout  # fmt: skip
         assert "tbf" in qd
