@@ -124,16 +124,7 @@ class LeaseMixin:
         """A writer gives these chunks up (its save failed): their live leases lapse now,
         so gc may collect the objects after the grace period, not the lease's TTL. A
         commit naming one later is refused, as for any lapsed lease."""
-        ids = sorted(set(ids))
-        if not ids:
-            return
-        with self._tx() as c:
-            self._lock_named(c, CHUNK_GATE, shared=True)
-            self._ensure_leases(c)
-            c.executemany(
-                self._q("UPDATE chunk_leases SET expires = 0 WHERE id = ? AND expires > 0"),
-                [(bytearray(cid),) for cid in ids],
-            )
+        self._lapse(ids, "expires > 0")
 
     @retried
     def renew_chunk_leases(self, ids: list[bytes]) -> set[bytes]:
@@ -194,6 +185,11 @@ class LeaseMixin:
         """gc deleted (or gave up on) these condemned objects: their rows become lapsed
         leases, so a writer asking now is granted one (its put comes after every delete),
         while a commit on a lease granted during the hold is still refused."""
+        self._lapse(ids, "expires < 0")
+
+    def _lapse(self, ids: list[bytes], which: str) -> None:
+        """Leases of these ids matching `which` (live: "expires > 0"; condemned: "expires
+        < 0") become lapsed, in a transaction of their own under the shared chunk gate."""
         ids = sorted(set(ids))
         if not ids:
             return
@@ -201,6 +197,6 @@ class LeaseMixin:
             self._lock_named(c, CHUNK_GATE, shared=True)
             self._ensure_leases(c)
             c.executemany(
-                self._q("UPDATE chunk_leases SET expires = 0 WHERE id = ? AND expires < 0"),
+                self._q(f"UPDATE chunk_leases SET expires = 0 WHERE id = ? AND {which}"),
                 [(bytearray(cid),) for cid in ids],
             )
