@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.fuse import drain, drop_caches, mount_ckptfs, unmount  # noqa: E402
+from bench.fuse import drain, drop_caches, mount_ckptfs, seq_read, seq_write, unmount  # noqa: E402
 
 MiB = 2**20
 
@@ -61,31 +61,6 @@ class Data:
         stamps = self.buf[:n].view(np.uint64).reshape(-1, 8192)
         stamps[:, 0] = np.arange(len(stamps), dtype=np.uint64) + (self.phase << 40)
         return self.view
-
-
-def disk_write(path: str, data: memoryview) -> float:
-    os.sync()
-    t = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for off in range(0, len(data), MiB):
-            os.write(fd, data[off : off + MiB])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t
-
-
-def disk_read(path: str) -> float:
-    drop_caches()
-    t = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while os.read(fd, MiB):
-            pass
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t
 
 
 def fsspec_write(fs, path: str, data: memoryview) -> float:
@@ -161,7 +136,7 @@ def overhead(args, vol: str, base: str, env: dict, opts: list[str], data: Data) 
                 if kind == "with":
                     scraper = Scraper(port, args.scrape_interval)
                     scraper.start()
-                secs = disk_write(os.path.join(mp, f"ovh-{r}-{kind}"), data.next()[:nbytes])
+                secs = seq_write(os.path.join(mp, f"ovh-{r}-{kind}"), data.next()[:nbytes])
                 runs[kind].append(mbps(nbytes, secs))
                 if scraper is not None:
                     scraper.stop.set()
@@ -216,15 +191,15 @@ def main() -> int:
         out["cold_read_dropped_caches"] = drop_caches()
 
         # the local disk
-        w_disk = disk_write(os.path.join(base, "disk.bin"), data.next())
-        r_disk = disk_read(os.path.join(base, "disk.bin"))
+        w_disk = seq_write(os.path.join(base, "disk.bin"), data.next())
+        r_disk = seq_read(os.path.join(base, "disk.bin"))
         os.unlink(os.path.join(base, "disk.bin"))
 
         # the mount
         proc = mount_ckptfs(vol, mp, env, *opts)
-        w_mnt = disk_write(os.path.join(mp, "seq.bin"), data.next())
+        w_mnt = seq_write(os.path.join(mp, "seq.bin"), data.next())
         out["mount_drain_s"] = drain(mp)
-        r_mnt = disk_read(os.path.join(mp, "seq.bin"))
+        r_mnt = seq_read(os.path.join(mp, "seq.bin"))
         unmount(mp, proc)
         proc = None
 

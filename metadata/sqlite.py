@@ -385,4 +385,5 @@ class _LoopEngine:
             except sqlite3.Error as e:
                 raise MetaBusy(message=f"{name}: {e}") from None
 
+        setattr(self, name, call)  # made once: the mount calls these on every lookup
         return call

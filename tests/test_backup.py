@@ -45,6 +45,22 @@ def _node_urls(tmp_path) -> list[str]:
     return [f"dir:{tmp_path / 'nodes' / f'n{i}'}" for i in range(3)]
 
 
+def _serves_the_same(tmp_path, new: str, files: dict[str, bytes], tag: str) -> dict:
+    """The rebuilt volume serves _populate's files and its published DCP step; returns the
+    loaded state for further checks."""
+    for path, data in files.items():
+        dest = tmp_path / (tag + path.replace("/", "_"))
+        ckptfs("get", new, path, str(dest))
+        assert dest.read_bytes() == data
+    steps = json.loads(ckptfs("checkpoints", new, "list", "--json").stdout)
+    assert [(s["job"], s["step"], s["state"]) for s in steps] == [("train", 1, "published")]
+    target = {"w": torch.zeros(300_000), "b": torch.zeros(7)}
+    dcp.load(target, storage_reader=CkptfsReader(new, "train/step-000001"), no_dist=True)
+    close_volumes()
+    assert torch.equal(target["w"], torch.arange(300_000, dtype=torch.float32))
+    return target
+
+
 def _populate(tmp_path, vol_dir: str, nodes: list[str]) -> dict[str, bytes]:
     """Files put with `ckptfs put` and a published single-process DCP checkpoint."""
     ckptfs("format", vol_dir, *[a for u in nodes for a in ("--node", u)])
@@ -78,16 +94,7 @@ def test_backup_delete_volume_restore_from_nodes(tmp_path):
     new = str(tmp_path / "restored")
     rep = ckptfs("meta", "restore", new, *[a for u in nodes for a in ("--node", u)], "--json")
     assert json.loads(rep.stdout)["missing_chunks"] == []
-    for path, data in files.items():
-        dest = tmp_path / ("out" + path.replace("/", "_"))
-        ckptfs("get", new, path, str(dest))
-        assert dest.read_bytes() == data
-    steps = json.loads(ckptfs("checkpoints", new, "list", "--json").stdout)
-    assert [(s["job"], s["step"], s["state"]) for s in steps] == [("train", 1, "published")]
-    target = {"w": torch.zeros(300_000), "b": torch.zeros(7)}
-    dcp.load(target, storage_reader=CkptfsReader(new, "train/step-000001"), no_dist=True)
-    close_volumes()
-    assert torch.equal(target["w"], torch.arange(300_000, dtype=torch.float32))
+    target = _serves_the_same(tmp_path, new, files, "out")
     assert torch.equal(target["b"], torch.ones(7))
     fsck = json.loads(ckptfs("fsck", new, "--json").stdout)
     assert fsck["problems"] == [], fsck
@@ -154,16 +161,7 @@ def test_sqlite_dump_loads_into_postgresql(tmp_path, pg_url):
     ckptfs("meta", "dump", vol_dir, dump)
     new = str(tmp_path / "pg")
     ckptfs("meta", "load", dump, new, "--db", pg_url)
-    for path, data in files.items():
-        dest = tmp_path / ("pg" + path.replace("/", "_"))
-        ckptfs("get", new, path, str(dest))
-        assert dest.read_bytes() == data
-    steps = json.loads(ckptfs("checkpoints", new, "list", "--json").stdout)
-    assert [(s["job"], s["step"], s["state"]) for s in steps] == [("train", 1, "published")]
-    target = {"w": torch.zeros(300_000), "b": torch.zeros(7)}
-    dcp.load(target, storage_reader=CkptfsReader(new, "train/step-000001"), no_dist=True)
-    close_volumes()
-    assert torch.equal(target["w"], torch.arange(300_000, dtype=torch.float32))
+    _serves_the_same(tmp_path, new, files, "pg")
     # the PostgreSQL volume takes new files (identity sequences moved past the loaded keys)
     with Volume.open(new) as v:
         v.write_file("/data/after.bin", b"new")

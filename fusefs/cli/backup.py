@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from functools import partial
 
 from fusefs.cli.text import shown
 from fusefs.cli.units import format_size
-from fusefs.client.volume import VOLUME_FILE, Volume, write_volume_file
+from fusefs.client.volume import VOLUME_FILE, Volume, making_volume, write_volume_file
 from fusefs.maint import backup as bk
 from metadata.dump import DumpError, load_dump, read_records, write_dump
 from metadata.engines import open_engine
@@ -133,7 +132,6 @@ def cmd_load(args: argparse.Namespace) -> int:
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise _user_error(f"{path} already holds a volume")
     meta_url = args.db or "sqlite:meta.db"
-    fresh = not os.path.exists(path)
     infos = bk.node_infos(args.node) if args.node else None
 
     def config(cfg: dict) -> dict:
@@ -141,28 +139,21 @@ def cmd_load(args: argparse.Namespace) -> int:
             return cfg
         return {**cfg, "nodes": [{"name": i.name, "url": i.url, "domain": i.domain} for i in infos]}
 
-    engine = None
     try:
         src = sys.stdin.buffer if args.file == "-" else open(args.file, "rb")  # noqa: SIM115
     except OSError as e:
         raise _user_error(f"cannot read {args.file}: {e.strerror}") from None
     try:
-        os.makedirs(path, exist_ok=True)
-        engine = open_engine(meta_url, path)
-        out = load_dump(engine, read_records(src), config_fn=config)
-        write_volume_file(path, meta_url)
-    except BaseException as e:
-        if engine is not None:
-            engine.close()
-            engine = None
-        if fresh:
-            shutil.rmtree(path, ignore_errors=True)
-        if isinstance(e, DumpError):
-            raise _user_error(f"{args.file}: {e}") from None
-        raise
+        with making_volume(path):
+            engine = open_engine(meta_url, path)
+            try:
+                out = load_dump(engine, read_records(src), config_fn=config)
+                write_volume_file(path, meta_url)
+            finally:
+                engine.close()
+    except DumpError as e:
+        raise _user_error(f"{args.file}: {e}") from None
     finally:
-        if engine is not None:
-            engine.close()
         if src is not sys.stdin.buffer:
             src.close()
     print(

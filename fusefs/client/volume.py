@@ -20,8 +20,9 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from chunkstore import codec
@@ -186,32 +187,24 @@ class Volume:
             "nodes": [{"name": i.name, "url": i.url, "domain": i.domain} for i in infos],
         }
         meta_url = db or "sqlite:meta.db"
-        fresh = not os.path.exists(path)
-        before = set() if fresh else set(os.listdir(path))
-        meta: MetaEngine | None = None
         nodes_objs: list[ObjectNode] = []
         try:
-            os.makedirs(path, exist_ok=True)
-            # Nodes first: an unreachable node must fail the format before any metadata
-            # exists (it used to leave meta.db without volume.json, and a traceback).
-            for info in infos:
-                node = open_node(info, path)
-                nodes_objs.append(node)
-                ensure = getattr(node, "ensure", None)
-                if ensure:
-                    ensure()
-            meta = _open_engine(meta_url, path)
-            meta.init_volume(config)
-            write_volume_file(path, meta_url)
-        except BaseException as e:
-            if meta is not None:
-                meta.close()
-            for node in nodes_objs:
-                node.close()
-            _remove_new(path, fresh, before)
-            if isinstance(e, NodeError | OSError | ValueError) and not isinstance(e, VolumeError):
-                raise VolumeError(f"cannot format {path}: {e}") from None
-            raise
+            with making_volume(path) as closers:
+                # Nodes first: an unreachable node must fail the format before any metadata
+                # exists (it used to leave meta.db without volume.json, and a traceback).
+                for info in infos:
+                    node = open_node(info, path)
+                    nodes_objs.append(node)
+                    closers.append(node.close)
+                    ensure = getattr(node, "ensure", None)
+                    if ensure:
+                        ensure()
+                meta = _open_engine(meta_url, path)
+                closers.append(meta.close)
+                meta.init_volume(config)
+                write_volume_file(path, meta_url)
+        except (NodeError, OSError, ValueError) as e:
+            raise VolumeError(f"cannot format {path}: {e}") from None
         return cls(meta, config, base_dir=path, nodes=nodes_objs)
 
     @classmethod
@@ -532,6 +525,27 @@ def _open_engine(url: str, base_dir: str) -> MetaEngine:
         return open_engine(url, base_dir)
     except EngineURLError as e:
         raise VolumeError(str(e)) from None
+
+
+@contextmanager
+def making_volume(path: str) -> Iterator[list[Callable[[], None]]]:
+    """A volume directory being made (format, load, restore): if the body fails, what it
+    opened is closed (the callables it appends, last first) and what it added is removed,
+    the directory itself if it did not exist, so a failure leaves nothing half-made."""
+    fresh = not os.path.exists(path)
+    before = set() if fresh else set(os.listdir(path))
+    closers: list[Callable[[], None]] = []
+    try:
+        os.makedirs(path, exist_ok=True)
+        yield closers
+    except BaseException:
+        for close in reversed(closers):
+            try:
+                close()
+            except Exception:  # noqa: S110 - the body's error is the one to report
+                pass
+        _remove_new(path, fresh, before)
+        raise
 
 
 def _remove_new(path: str, fresh: bool, before: set[str]) -> None:

@@ -36,6 +36,7 @@ from torch.futures import Future
 
 from fusefs.client import extents as ext
 from fusefs.client.extents import maybe_inline
+from fusefs.client.registry import tier_spec, volume_for
 from fusefs.client.volume import Volume
 from fusefs.dcp.envelope import (
     Envelope,
@@ -49,8 +50,6 @@ from fusefs.dcp.registry import (
     CkptfsError,
     new_id,
     norm_path,
-    tier_spec,
-    volume_for,
     volume_spec,
 )
 from metadata.engine import Extent, MetaError

@@ -1,6 +1,5 @@
 """The DCP backend's checkpoint-path parsing and resume helpers. The per-process volumes
-and their exit-time drain live in fusefs.client.registry (shared with the fsspec
-filesystem) and are re-exported here under the names the DCP backend always used."""
+and their exit-time drain are fusefs.client.registry's (shared with the fsspec filesystem)."""
 
 from __future__ import annotations
 
@@ -11,14 +10,7 @@ from typing import Any
 
 import chunkstore.tier.tier  # noqa: F401 - imported with this module, not inside the first save
 import metadata.sqlite  # noqa: F401 - (the Volume imports them lazily; profiled: ~0.2 s a rank)
-from fusefs.client.registry import (  # noqa: F401 - the DCP backend's names for them
-    EXIT_DRAIN_S,
-    TierSpec,
-    close_volumes,
-    drain,
-    tier_spec,
-    volume_for,
-)
+from fusefs.client.registry import volume_for
 from fusefs.client.volume import Volume
 
 log = logging.getLogger("ckptfs.dcp")

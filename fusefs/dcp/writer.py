@@ -58,6 +58,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from fusefs.client.registry import tier_spec, volume_for
 from fusefs.client.sink import NO_HINT, Hint
 from fusefs.client.volume import FileWriter, Volume
 from fusefs.dcp.envelope import address, save_tensor
@@ -67,8 +68,6 @@ from fusefs.dcp.registry import (
     new_id,
     norm_path,
     parse_ckpt_path,
-    tier_spec,
-    volume_for,
     volume_spec,
 )
 from metadata.engine import MetaError

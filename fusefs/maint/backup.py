@@ -32,7 +32,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import struct
 import time
 from collections.abc import Iterator, Sequence
@@ -52,7 +51,7 @@ from chunkstore.nodes import (
     parse_node_url,
 )
 from chunkstore.store import ChunkStore
-from fusefs.client.volume import VOLUME_FILE, write_volume_file
+from fusefs.client.volume import VOLUME_FILE, making_volume, write_volume_file
 from metadata.dump import DumpError, iter_table, load_dump, read_records, write_dump
 from metadata.engine import INLINE
 from metadata.engines import open_engine
@@ -314,9 +313,16 @@ class AutoBackup:
         self.vol = vol
         self._newest: float | None = None
         self.taken = 0
+        self.interval = backup_settings(vol.meta)["interval"]  # as of the last tick
+
+    @property
+    def check_every(self) -> float:
+        """Seconds to the next tick: AUTO_CHECK_S, or a quarter of a shorter interval."""
+        interval = self.interval
+        return min(AUTO_CHECK_S, max(0.5, interval / 4)) if interval > 0 else AUTO_CHECK_S
 
     def tick(self, now: float | None = None) -> dict | None:
-        interval = backup_settings(self.vol.meta)["interval"]
+        interval = self.interval = backup_settings(self.vol.meta)["interval"]
         if interval <= 0:
             return None
         try:
@@ -345,12 +351,9 @@ async def run_auto_backups(vol: Any) -> None:
     quarter of the volume's interval if that is shorter."""
     import trio
 
-    auto = AutoBackup(vol)
+    auto = await trio.to_thread.run_sync(AutoBackup, vol)
     while True:
-        interval = await trio.to_thread.run_sync(lambda: backup_settings(vol.meta)["interval"])
-        await trio.sleep(
-            min(AUTO_CHECK_S, max(0.5, interval / 4)) if interval > 0 else AUTO_CHECK_S
-        )
+        await trio.sleep(auto.check_every)
         # cancellable: a backup in progress never holds up the process's exit
         await trio.to_thread.run_sync(auto.tick, cancellable=True)
 
@@ -429,8 +432,6 @@ def restore(
     infos = node_infos(node_urls, m)
     nodes = [open_node(i) for i in infos]
     meta_url = db or "sqlite:meta.db"
-    fresh = not os.path.exists(path)
-    engine = None
     rep = RestoreReport(backup=m["id"], path=path)
 
     def new_config(cfg: dict) -> dict:
@@ -441,31 +442,19 @@ def restore(
         return cfg
 
     try:
-        os.makedirs(path, exist_ok=True)
-        engine = open_engine(meta_url, path)
-        out = load_dump(engine, read_records(backup_stream(nodes, m)), config_fn=new_config)
-        rep.files, rep.checkpoints = out["files"], out["checkpoints"]
-        rep.chunks = out["rows"].get("chunks", 0)
-        rep.missing_chunks = [c.hex() for c in _missing(engine, nodes)]
-        write_volume_file(path, meta_url)
-    except BaseException as e:
-        if engine is not None:
-            engine.close()
-            engine = None
-        if fresh:
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            for name in ("meta.db", "meta.db-wal", "meta.db-shm", VOLUME_FILE + ".tmp"):
-                try:
-                    os.unlink(os.path.join(path, name))
-                except OSError:
-                    pass
-        if isinstance(e, DumpError):
-            raise BackupError(f"backup {m['id']}: {e}") from None
-        raise
+        with making_volume(path):
+            engine = open_engine(meta_url, path)
+            try:
+                out = load_dump(engine, read_records(backup_stream(nodes, m)), config_fn=new_config)
+                rep.files, rep.checkpoints = out["files"], out["checkpoints"]
+                rep.chunks = out["rows"].get("chunks", 0)
+                rep.missing_chunks = [c.hex() for c in _missing(engine, nodes)]
+                write_volume_file(path, meta_url)
+            finally:
+                engine.close()
+    except DumpError as e:
+        raise BackupError(f"backup {m['id']}: {e}") from None
     finally:
-        if engine is not None:
-            engine.close()
         for n in nodes:
             n.close()
     rep.seconds = round(time.monotonic() - t0, 3)
