@@ -65,6 +65,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         phase_timeout=args.phase_timeout,
         seed=args.seed,
         workdir=args.workdir,
+        resume=args.resume,
     )
     rep = run(cfg)
     print(format_table(rep))
@@ -153,6 +154,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--kill-node", action="store_true", help="node n0 dies mid-save")
     b.add_argument("--kill-rank", action="store_true", help="one rank dies mid-save")
+    b.add_argument(
+        "--resume",
+        action="store_true",
+        help="after the last step, restart as a new job: fresh volumes and one connection "
+        "per rank resolve latest_durable and read every shard back (cold where allowed)",
+    )
     b.add_argument(
         "--slow-rank",
         type=int,

@@ -66,6 +66,37 @@ def disk_write(path: str, pieces: Iterator[bytes]) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def drop_caches() -> bool:
+    """Write back and drop the page cache (root only): the next read comes from the disk."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def disk_read_cold(path: str, piece: int = 4 * 2**20) -> tuple[float, int, bool]:
+    """The read baseline: the file read whole from the disk, not the page cache (the cache
+    dropped, or where that is not allowed, the file's pages evicted with fadvise).
+    Returns (seconds, bytes, whether the whole page cache was dropped)."""
+    dropped = drop_caches()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if not dropped:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        buf = bytearray(piece)
+        t0 = time.perf_counter()
+        n = 0
+        while got := os.readv(fd, [buf]):
+            n += got
+        return time.perf_counter() - t0, n, dropped
+    finally:
+        os.close(fd)
+
+
 def peak_rss_mib(pid: int | str = "self") -> float:
     """VmHWM of a process: unlike ru_maxrss, it is not inherited across fork+exec."""
     try:

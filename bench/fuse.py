@@ -47,6 +47,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench.common import drop_caches  # noqa: E402
+
 MiB = 2**20
 GiB = 2**30
 
@@ -104,16 +106,6 @@ def mount_floor(base: str, env: dict, procs: list, *opts: str) -> tuple[str, sub
     wait_mounted(mp, proc)
     tune_readahead(os.stat(mp).st_dev)
     return mp, proc
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def seq_write(path: str, data: memoryview) -> float:

@@ -39,11 +39,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from bench.common import disk_write
+from bench.common import disk_read_cold, disk_write, drop_caches
 from bench.harness_config import HarnessConfig, HarnessError
 from bench.harness_data import ShardMaker
 from bench.harness_env import Env
 from bench.harness_faults import FaultRunner
+from bench.harness_report import breakdown
 from fusefs.cli.progress import Progress
 from metadata.engine import MetaError
 
@@ -66,6 +67,9 @@ class StepRecord:
     info: dict = field(default_factory=dict)
     deadline: float = 3600.0
     may_abort: bool = False  # an injected fault may make publishing impossible in time
+    save_hosts: list[dict] = field(default_factory=list)  # each host's phase times
+    load_hosts: list[dict] = field(default_factory=list)
+    cpu: dict = field(default_factory=dict)  # CPU seconds: save/load x client/service
 
 
 class Workers:
@@ -199,7 +203,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
     errors: list[str] = []
     t_run = time.time()
     topology: dict = {}
-    flush = final = None
+    flush = final = resume = None
     latest = durable = None
     stats: dict = {}
     counters = {"failovers": 0, "reconnects": 0}
@@ -242,7 +246,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         if faults.plan:
             plan = ", ".join(f"{k} at step {v}" for k, v in faults.plan.items())
             say(f"faults: {plan} (each down {cfg.fault_hold:g}s)")
-        baseline = _disk_baseline(env.root, min(step_bytes, 256 * 2**20), cfg)
+        baseline = _disk_baseline(env.root, min(step_bytes, 2**30), cfg)
         workers = Workers(cfg, wcfg, hosts, groups, env.host_ns)
         env.worker_pids = workers.host_pids()
         if cfg.slow_node:
@@ -256,7 +260,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
                 rec.loaded_step = prev_published
             rec.latest_after = _try(errors, "latest", meta.latest, job)
             if rec.loaded_step is not None:
-                _load_step(cfg, workers, rec, show)
+                _load_step(cfg, env, workers, rec, show)
             if rec.state == "published":
                 prev_published = step
             steps.append(rec)
@@ -282,7 +286,9 @@ def run(cfg: HarnessConfig, log=None) -> dict:
                 "s": round(time.time() - t0, 3),
                 "errors": [f"{r['host']}: {r['error']}" for r in res if not r["ok"]][:5],
             }
-        final = _final_check(cfg, workers, meta, job, steps, show, errors)
+        if cfg.resume and any(r.state == "published" for r in steps):
+            resume = _resume(cfg, env, workers, show)
+        final = _final_check(cfg, env, workers, meta, job, steps, show, errors)
         workers.send(("counters",))
         for part in workers.gather("counters", 60, None):
             for k in counters:
@@ -327,6 +333,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         final=final,
         errors=errors + env.problems,
         worker_logs=worker_logs,
+        resume=resume,
     )
 
 
@@ -376,7 +383,7 @@ def _try(errors: list[str], what: str, fn, *args):
         return None
 
 
-def _final_check(cfg, workers, meta, job, steps, show, errors) -> dict:
+def _final_check(cfg, env, workers, meta, job, steps, show, errors) -> dict:
     """No acknowledged write lost: after every fault was undone and the tiers drained,
     every step the run saw published is still published, and the first and the last of
     them read back whole (every rank, every byte compared)."""
@@ -394,7 +401,7 @@ def _final_check(cfg, workers, meta, job, steps, show, errors) -> dict:
     for step in sorted({published[0], published[-1]}):
         rec = StepRecord(step)
         rec.loaded_step = step
-        _load_step(cfg, workers, rec, show, label="final check")
+        _load_step(cfg, env, workers, rec, show, label="final check")
         ok = sum(1 for r in rec.load if r.get("ok"))
         bad = [f"{r['rank']}: {r['error']}" for r in rec.load if not r.get("ok")]
         out["steps"].append({"step": step, "verified": ok, "failures": bad[:5]})
@@ -405,18 +412,27 @@ def _final_check(cfg, workers, meta, job, steps, show, errors) -> dict:
 
 
 def _disk_baseline(root: str, nbytes: int, cfg: HarnessConfig) -> dict:
-    """Plain write + fsync of the same kind of bytes to the same disk: the ratio's base."""
+    """Plain write + fsync of the same kind of bytes to the same disk, then a plain cold read
+    of them (bench.common.disk_read_cold): the ratios' bases."""
     maker = ShardMaker(cfg.data, cfg.seed, 4 * 2**20, 4 * 2**20)
     n = max(1, nbytes // (4 * 2**20))
     path = os.path.join(root, "baseline.bin")
     try:
         secs, written = disk_write(path, (maker.block(0, 0, i + 1) for i in range(n)))
+        r_secs, read, dropped = disk_read_cold(path)
     finally:
         try:
             os.unlink(path)
         except OSError:
             pass
-    return {"bytes": written, "s": round(secs, 4), "gbps": round(written / 1e9 / secs, 3)}
+    return {
+        "bytes": written,
+        "s": round(secs, 4),
+        "gbps": round(written / 1e9 / secs, 3),
+        "read_s": round(r_secs, 4),
+        "read_gbps": round(read / 1e9 / r_secs, 3),
+        "read_cold": "page cache dropped" if dropped else "file's pages evicted (fadvise)",
+    }
 
 
 def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepRecord:
@@ -443,6 +459,7 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
         rec.faults.append(f"slow-rank x{cfg.slow_rank}")
     rec.start = time.time() + 0.3
     faults.step_started(rec)
+    svc0 = env.service_cpu()
     workers.send(("save", step, rec.start))
     bar = Progress(cfg.ranks, f"step {step} save", enabled=show, unit="ranks")
     seen = [0]
@@ -465,7 +482,9 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
         rec.faults.append(f"kill-node {env.killed} after the writes")
         rec.may_abort = True
     faults.save_done(rec)
-    rec.save = sorted((r for p in parts for r in p), key=lambda r: r["rank"])
+    rec.save = sorted((r for p in parts for r in p["ranks"]), key=lambda r: r["rank"])
+    rec.save_hosts = [h for p in parts for h in p["hosts"]]
+    rec.cpu["save_client_s"] = sum(p["cpu_s"] for p in parts)
     wait = deadline + 60
     if any(r.get("error") and not r.get("killed") for r in rec.save):
         wait = min(wait, 10.0)  # a rank that failed never commits: the step cannot publish
@@ -474,6 +493,7 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
         rec.state, rec.reason = info["state"], info.get("reason", "")
     except MetaError as e:
         rec.state, rec.reason = "open", f"not published: {e}"
+    rec.cpu["save_service_s"] = env.service_cpu() - svc0
     faults.step_done(rec)
     try:
         rec.info = meta.checkpoint_info(job, step)
@@ -483,8 +503,9 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
     return rec
 
 
-def _load_step(cfg, workers, rec: StepRecord, show: bool, label: str = "") -> None:
+def _load_step(cfg, env, workers, rec: StepRecord, show: bool, label: str = "") -> None:
     rec.load_start = time.time() + 0.3
+    svc0 = env.service_cpu()
     workers.send(("load", rec.loaded_step, rec.load_start))
     what = label or f"step {rec.step} load"
     bar = Progress(cfg.ranks, what, enabled=show, unit="ranks")
@@ -498,7 +519,50 @@ def _load_step(cfg, workers, rec: StepRecord, show: bool, label: str = "") -> No
         parts = workers.gather("load", cfg.phase_timeout + 60, progress)
     finally:
         bar.close()
-    rec.load = sorted((r for p in parts for r in p), key=lambda r: r["rank"])
+    rec.load = sorted((r for p in parts for r in p["ranks"]), key=lambda r: r["rank"])
+    rec.load_hosts = [h for p in parts for h in p["hosts"]]
+    rec.cpu["load_client_s"] = sum(p["cpu_s"] for p in parts)
+    rec.cpu["load_service_s"] = env.service_cpu() - svc0
+
+
+def _resume(cfg: HarnessConfig, env: Env, workers: Workers, show: bool) -> dict:
+    """Restart as a new job: page cache dropped where allowed (root), every host's volume
+    opened afresh, every rank on a fresh connection resolving latest_durable, reading its
+    shard and verifying it. Timed from the start to the last rank verified."""
+    cold = drop_caches()
+    start = time.time() + 0.3
+    svc0 = env.service_cpu()
+    workers.send(("resume", start))
+    bar = Progress(cfg.ranks, "resume", enabled=show, unit="ranks")
+    seen = [0]
+
+    def progress(n: int) -> None:
+        bar.update(n - seen[0])
+        seen[0] = n
+
+    try:
+        parts = workers.gather("resume", cfg.phase_timeout + 60, progress)
+    finally:
+        bar.close()
+    ranks = [r for p in parts for r in p["ranks"]]
+    done = [r["done"] for r in ranks if "done" in r]
+    secs = max(done) - start if done else None
+    ok = [r for r in ranks if r.get("ok")]
+    nbytes = sum(r["bytes"] for r in ranks)
+    client, service = sum(p["cpu_s"] for p in parts), env.service_cpu() - svc0
+    steps = sorted({r["step"] for r in ranks if "step" in r})
+    return {
+        "step": steps[0] if len(steps) == 1 else steps,
+        "s": round(secs, 4) if secs else None,
+        "gbps": round(nbytes / 1e9 / secs, 3) if secs else None,
+        "verified": len(ok),
+        "failures": [f"{r['rank']}: {r['error']}" for r in ranks if not r.get("ok")][:10],
+        "cold": cold,
+        "cpu_ms_per_rank": round((client + service) / max(1, len(ranks)) * 1e3, 3),
+        "cpu_ms_per_rank_client": round(client / max(1, len(ranks)) * 1e3, 3),
+        "cpu_ms_per_rank_service": round(service / max(1, len(ranks)) * 1e3, 3),
+        "breakdown": breakdown([h for p in parts for h in p["hosts"]], start, secs),
+    }
 
 
 def _save_seconds(rec: StepRecord) -> float | None:

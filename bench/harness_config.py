@@ -62,6 +62,7 @@ class HarnessConfig:
     progress: bool | None = None
     workdir: str | None = None
     fail_after_step: int | None = None  # test hook: raise once this step is saved
+    resume: bool = False  # after the drain: every rank reads latest_durable back, fresh
 
     def resolve(self) -> None:
         """Fill the defaults that depend on other options (idempotent)."""

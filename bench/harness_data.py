@@ -81,7 +81,11 @@ class ShardMaker:
         return [self.block(rank, b, v) for b, v in enumerate(versions)]
 
     def digest(self, rank: int, versions: list[int]) -> bytes:
+        return self.digest_of(self.shard(rank, versions))
+
+    @staticmethod
+    def digest_of(blocks: list[bytes]) -> bytes:
         h = xxhash.xxh3_128()
-        for blk in self.shard(rank, versions):
+        for blk in blocks:
             h.update(blk)
         return h.digest()

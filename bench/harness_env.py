@@ -296,6 +296,24 @@ class Env:
                 out[name] = {"entries": len(lines), "last": lines[-1][:300]}
         return out
 
+    def service_cpu(self) -> float:
+        """CPU seconds used so far by the metadata service processes now running (a
+        replica restarted by a fault starts again from 0: its old CPU is lost to the sum).
+        The database server's own processes (PostgreSQL) are not counted."""
+        total = 0.0
+        tick = os.sysconf("SC_CLK_TCK")
+        for s in self.servers:
+            proc = s.proc
+            if proc is None or proc.poll() is not None:
+                continue
+            try:
+                with open(f"/proc/{proc.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += (int(fields[11]) + int(fields[12])) / tick
+        return total
+
     # -- faults ---------------------------------------------------------------------------
     def _guard(self) -> None:
         if self.closing:

@@ -25,6 +25,49 @@ def _r(x: float | None, nd: int = 4) -> float | None:
     return None if x is None else round(x, nd)
 
 
+def breakdown(hosts: list[dict], t0: float, measured: float | None, tail: str = "") -> dict | None:
+    """Where the step's time went, on its critical path: the host that finished last, from
+    the step's start (`t0`) through its phases to `measured` seconds after t0.
+
+    The host's phases are timed one by one (each its own clock reading, in the worker), the
+    start delay is when its task began, `tail` (publish) is what the measured time has after
+    the host's last answer; so the parts add up to the measured time only if nothing else
+    took time in between (a thread hand-off, the loop busy elsewhere, a slow scheduler):
+    `gap` is that rest, `error` its share. Thread-seconds (the verify time summed over the
+    pool's workers) are shown beside, not added."""
+    if not hosts or not measured:
+        return None
+    h = max(hosts, key=lambda x: x["last"])
+    parts = {"start": h["began"] - t0}
+    aside = {}
+    for k, v in h["phases"].items():
+        (aside if "thread-s" in k else parts)[k] = v
+    if tail:
+        parts[tail] = max(0.0, t0 + measured - h["last"])
+    total = sum(parts.values())
+    return {
+        "host": h["host"],
+        "phases_s": {k: round(v, 4) for k, v in parts.items()},
+        "aside": {k: round(v, 4) for k, v in aside.items()},
+        "waves": h.get("waves"),
+        "sum_s": round(total, 4),
+        "measured_s": round(measured, 4),
+        "gap_s": round(measured - total, 4),
+        "error": round(abs(measured - total) / measured, 4),
+    }
+
+
+def _per_rank_ms(cpu: dict, what: str, ranks: int) -> dict:
+    client, service = cpu.get(f"{what}_client_s"), cpu.get(f"{what}_service_s")
+    if client is None or service is None or not ranks:
+        return {}
+    return {
+        f"cpu_ms_per_rank_{what}": round((client + service) / ranks * 1e3, 3),
+        f"cpu_ms_per_rank_{what}_client": round(client / ranks * 1e3, 3),
+        f"cpu_ms_per_rank_{what}_service": round(service / ranks * 1e3, 3),
+    }
+
+
 def step_summary(rec, cfg) -> dict:
     """Numbers of one step from its raw rank records."""
     saved = [r for r in rec.save if "done" in r]
@@ -79,6 +122,12 @@ def step_summary(rec, cfg) -> dict:
         "t_load": rec.load_start,
         "may_abort": rec.may_abort,
         "commit_latency_s": [_r(r["done"] - r["sent"], 4) for r in saved if "sent" in r],
+        "save_breakdown": breakdown(
+            rec.save_hosts, rec.start, save_s, "publish" if rec.published else ""
+        ),
+        "load_breakdown": breakdown(rec.load_hosts, rec.load_start, load_s),
+        **_per_rank_ms(rec.cpu, "save", len(saved)),
+        **_per_rank_ms(rec.cpu, "load", len(loaded)),
     }
 
 
@@ -94,6 +143,7 @@ def judge(
     final: dict | None = None,
     faults: list[dict] | None = None,
     errors: list[str] | None = None,
+    resume: dict | None = None,
 ) -> dict:
     """Pass only if every step published with every byte verified, or was aborted where an
     injected fault made publishing impossible (a killed rank or node, or an outage longer
@@ -168,6 +218,19 @@ def judge(
             gone = final.get("not_published_any_more") or []
             why = f"steps {gone} no longer published; " if gone else ""
             lines.append(f"FAIL acknowledged writes lost: {why}read back at the end: {checked}")
+    if resume is not None:
+        if resume.get("verified") == ranks and resume.get("step") == durable:
+            lines.append(
+                f"resume: fresh connections read latest_durable = {durable}, "
+                f"{ranks}/{ranks} ranks verified in {resume['s']:.2f}s"
+            )
+        else:
+            ok = False
+            why = "; ".join(resume.get("failures", [])[:3]) or resume.get("error", "")
+            lines.append(
+                f"resume: FAIL step {resume.get('step')} (latest_durable {durable}), "
+                f"{resume.get('verified', 0)}/{ranks} verified ({why})"
+            )
     for f in faults or []:
         if not f["recovered"]:
             ok = False
@@ -221,13 +284,24 @@ def build_report(
     final: dict | None = None,
     errors: list[str] | None = None,
     worker_logs: dict | None = None,
+    resume: dict | None = None,
 ):
     summaries = [step_summary(r, cfg) for r in steps]
-    verdict = judge(summaries, cfg.ranks, flush, latest, durable, final, faults, errors)
+    verdict = judge(
+        summaries, cfg.ranks, flush, latest, durable, final, faults, errors, resume=resume
+    )
     conf = asdict(cfg)
     conf["chunk_size"] = chunk
     published = [s for s in summaries if s["state"] == "published" and s["save_gbps"]]
     best = max((s["save_gbps"] for s in published), default=None)
+    best_load = max((s["load_gbps"] for s in summaries if s["load_gbps"]), default=None)
+    by_step = {s["step"]: s for s in published}
+    s1, s2 = by_step.get(1), by_step.get(2)
+    read_gbps = baseline.get("read_gbps")
+    cpu = {
+        k: _r(_pct([s[k] for s in summaries if s.get(k) is not None], 0.5), 3)
+        for k in ("cpu_ms_per_rank_save", "cpu_ms_per_rank_load")
+    }
     return {
         "bench": "harness",
         "config": conf,
@@ -236,6 +310,13 @@ def build_report(
         "elapsed_s": round(time.time() - t_run, 2),
         "baseline_disk": baseline,
         "save_vs_disk": round(best / baseline["gbps"], 3) if best and baseline["gbps"] else None,
+        "step2_vs_step1": round(s1["save_s"] / s2["save_s"], 3) if s1 and s2 else None,
+        "load_vs_disk": round(best_load / read_gbps, 3) if best_load and read_gbps else None,
+        "resume_vs_disk": round(resume["gbps"] / read_gbps, 3)
+        if resume and resume.get("gbps") and read_gbps
+        else None,
+        **cpu,
+        "resume": resume,
         "steps": summaries,
         "flush": flush,
         "latest": latest,
@@ -312,6 +393,18 @@ def format_table(rep: dict) -> str:
         f"baseline: plain write+fsync of {format_size(b['bytes'])} at {b['gbps']:.3f} GB/s; "
         f"best save / baseline = {rep['save_vs_disk']}"
     )
+    if b.get("read_gbps"):
+        out.append(
+            f"baseline: plain cold read at {b['read_gbps']:.3f} GB/s; best load / baseline = "
+            f"{rep.get('load_vs_disk')}; resume / baseline = {rep.get('resume_vs_disk')}"
+        )
+    cpu = [
+        f"{k.replace('cpu_ms_per_rank_', '')} {rep[k]:.3f}"
+        for k in ("cpu_ms_per_rank_save", "cpu_ms_per_rank_load")
+        if rep.get(k) is not None
+    ]
+    if cpu:
+        out.append(f"CPU per rank (client + service), ms: {', '.join(cpu)}")
     out.append(f"verdict: {rep['verdict']['verdict']}")
     out.extend(f"  {line}" for line in rep["verdict"]["lines"])
     return "\n".join(out)

@@ -1,22 +1,31 @@
-"""One worker process of the load-test harness: a few simulated hosts, their ranks as trio tasks.
+"""One worker process of the load-test harness: a few simulated hosts, their ranks.
 
 Each simulated host is a Volume of its own (its own ckptfs:// connection, chunk store and
-write-behind tier in its own staging directory), as it would be on a real machine. Each
-rank is a trio task; the blocking part of its work (generate, chunk, hash, encode, stage;
-or fetch and verify) runs in a worker thread bounded by the host's CapacityLimiter, and its
-metadata calls are pipelined on the host's connection (RemoteEngine.submit) and awaited
+write-behind tier in its own staging directory), as it would be on a real machine, and it
+speaks for its ranks as a host agent would: a trio task per host stages its ranks' shards
+in waves through one pass of the chunk sink each (fusefs.client.batch: one hashing task per
+pool worker, one "which exist?" query, one sync), sends each wave's commit_rank requests
+pipelined on the host's connection (RemoteEngine.submit_many) and awaits their answers
 without holding a thread, so thousands of commits can be in flight for the service to
-group-commit.
+group-commit while the next wave is staged. Loads ask for every manifest of the host at
+once and read the shards wave by wave, each pool worker verifying what it read.
+
+Every host reports the wall time of its phases (generate, chunk, hash, exist, store, sync,
+submit, commit; manifest, read, verify) and every process its CPU seconds, so the report can
+say where a rank's time goes (bench.harness_report.breakdown).
 
 The coordinator drives the worker over a multiprocessing Pipe: ("save", step, start_at),
-("load", step, start_at), ("flush", timeout), ("counters",), ("stop",). Every phase is
-bounded in time. On --topology netns the process is one host and lives in its namespace.
+("load", step, start_at), ("resume", start_at), ("flush", timeout), ("counters",),
+("stop",). Every phase is bounded in time. On --topology netns the process is one host and
+lives in its namespace.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import time
 import traceback
 from concurrent.futures import Future
@@ -28,15 +37,11 @@ import xxhash
 
 from bench.harness_data import ShardMaker
 from chunkstore.nodes import NodeInfo, ObjectNode, open_node
-from fusefs.client.extents import maybe_inline
-from fusefs.client.volume import FileWriter, Volume
+from fusefs.client.batch import StagedFile, Timings, read_many, stage_files
+from fusefs.client.volume import Volume
 from metadata.checkpoints import unpack_extents
 
 PROGRESS_EVERY = 0.25
-
-
-class RankKilled(Exception):
-    """The injected death of a rank in the middle of its save."""
 
 
 class FaultNode(ObjectNode):
@@ -93,7 +98,6 @@ class Host:
     name: str
     ranks: list[int]
     vol: Volume
-    limiter: trio.CapacityLimiter | None = None
 
 
 @dataclass
@@ -102,6 +106,16 @@ class WorkerState:
     hosts: list[Host]
     maker: ShardMaker
     versions: dict[int, dict[int, list[int]]] = field(default_factory=dict)  # step -> rank ->
+    # digests of the seed's bytes for (rank, block versions), taken as the save generated
+    # them (before any test-hook corruption): a load compares with these instead of
+    # generating every shard a second time
+    digests: dict[tuple[int, tuple[int, ...]], bytes] = field(default_factory=dict)
+
+    def expected(self, rank: int, step: int) -> bytes:
+        """The digest of what `rank` wrote at `step`, by the seed."""
+        versions = self.versions[step][rank]
+        got = self.digests.get((rank, tuple(versions)))
+        return got if got is not None else self.maker.digest(rank, versions)
 
 
 async def wait_future(fut: Future) -> Any:
@@ -144,112 +158,334 @@ def open_host(cfg: dict, index: int, ranks: list[int]) -> Host:
 
 
 # -- save ------------------------------------------------------------------------------------
-def write_shard(st: WorkerState, host: Host, step: int, rank: int, kill: bool) -> tuple:
-    """Chunk, hash, encode and stage one shard (blocking). Returns (file record, new stored)."""
-    cfg = st.cfg
-    blocks = st.maker.shard(rank, st.versions[step][rank])
-    if cfg["corrupt"] == [step, rank]:  # test hook: what is written differs from the seed's
-        blocks[0] = bytes([blocks[0][0] ^ 0xFF]) + blocks[0][1:]
-    w = FileWriter(host.vol, 0, inline=False)
-    try:
-        half = st.maker.shard_size // 2
-        for blk in blocks:
-            if kill and w.size + len(blk) > half:
-                w.write(blk[: half - w.size])
-                w.flush_data()  # half the shard is staged when the rank dies
-                raise RankKilled(f"rank {rank} killed mid-save (injected)")
-            w.write(blk)
-            w.cut()
-        w.close(commit=False)
-    except BaseException:
-        w.abort()
-        raise
-    rec = {
-        "path": f"rank-{rank:06d}.shard",
-        "size": w.size,
-        "extents": w.extents,
-        "new_chunks": list(w.new_chunks.values()),
-    }
-    return rec, sum(c.stored_len for c in w.new_chunks.values())
+WAVE_BYTES = 32 * 2**20  # a host stages its ranks in waves of at most this many bytes
+WAVE_RANKS = 256  # and at most this many ranks
 
 
-async def save_rank(st: WorkerState, host: Host, step: int, rank: int, start: float, out: list):
+def waves_of(ranks: list[int], shard_size: int) -> list[list[int]]:
+    n = max(1, min(WAVE_RANKS, WAVE_BYTES // max(1, shard_size)))
+    return [ranks[i : i + n] for i in range(0, len(ranks), n)]
+
+
+def _add(into: Timings, more: Timings) -> None:
+    for k, v in more.items():
+        into[k] = into.get(k, 0.0) + v
+
+
+def stage_wave(
+    st: WorkerState, host: Host, step: int, ranks: list[int], victim: int | None
+) -> tuple[list[StagedFile], Timings]:
+    """Generate a wave of the host's shards and stage them through the volume in one pass
+    (fusefs.client.batch.stage_files): stored in the host's tier and acknowledged, not
+    committed. The killed rank's shard stops halfway (its half is staged, then it dies)."""
+    t0 = time.perf_counter()
     cfg = st.cfg
-    r = {
-        "rank": rank,
-        "host": host.name,
-        "start": start,
-        "logical": st.maker.shard_size,
-        "stored": 0,
-        "error": "",
-        "killed": False,
-    }
-    kill = cfg["kill_rank"] == [step, rank]
-    try:
-        if rank in cfg["slow_ranks"]:
-            await trio.sleep(cfg["slow_delay"])
-        rec, stored = await trio.to_thread.run_sync(
-            write_shard, st, host, step, rank, kill, limiter=host.limiter
+    shards = []
+    for rank in ranks:
+        versions = st.versions[step][rank]
+        blocks = st.maker.shard(rank, versions)
+        st.digests[(rank, tuple(versions))] = st.maker.digest_of(blocks)
+        if cfg["corrupt"] == [step, rank]:  # test hook: what is written differs from the seed's
+            blocks[0] = bytes([blocks[0][0] ^ 0xFF]) + blocks[0][1:]
+        if rank == victim:
+            blocks = [b"".join(blocks)[: st.maker.shard_size // 2]]
+        shards.append(blocks)
+    timings: Timings = {"generate": time.perf_counter() - t0, "_began": t0}
+    return stage_files(host.vol, shards, timings), timings
+
+
+class Answers:
+    """Pipelined requests' answers, awaited together: each answer's arrival time is taken in
+    the client's I/O thread as it lands, and the trio task wakes once, when the last has."""
+
+    def __init__(self, futs: list[Future]) -> None:
+        self.futs = futs
+        self.at: list[float] = [0.0] * len(futs)
+        self._left = len(futs)
+        self._lock = threading.Lock()
+        self._done = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        for i, f in enumerate(futs):
+            f.add_done_callback(functools.partial(self._arrived, i))
+
+    def _arrived(self, i: int, _f: Future) -> None:
+        self.at[i] = time.time()
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            try:
+                self._token.run_sync_soon(self._done.set)
+            except trio.RunFinishedError:
+                pass
+
+    async def wait(self) -> None:
+        if self.futs:
+            await self._done.wait()
+
+
+async def save_host(
+    st: WorkerState, host: Host, step: int, start: float, out: list, info: list
+) -> None:
+    """Every rank of one host: its waves staged one after the other, each wave's commits
+    sent pipelined (one commit_rank per rank, group-committed by the service) while the
+    next wave is staged. The host's phase times go to `info` (bench.harness_report)."""
+    cfg = st.cfg
+    victim = cfg["kill_rank"][1] if cfg["kill_rank"] and cfg["kill_rank"][0] == step else None
+    slow = set(cfg["slow_ranks"]) & set(host.ranks)
+    phases: Timings = {}
+    waits: list[tuple[Answers, list[dict], float]] = []
+    began = time.time()
+
+    def rec(rank: int) -> dict:
+        return {
+            "rank": rank,
+            "host": host.name,
+            "start": start,
+            "logical": st.maker.shard_size,
+            "stored": 0,
+            "error": "",
+            "killed": False,
+        }
+
+    async def run(ranks: list[int], delay: float, nursery: trio.Nursery) -> None:
+        if delay:
+            await trio.sleep(delay)
+            phases["injected delay"] = phases.get("injected delay", 0.0) + delay
+        for wave in waves_of(ranks, st.maker.shard_size):
+            t_call = time.perf_counter()
+            try:
+                staged, tm = await trio.to_thread.run_sync(stage_wave, st, host, step, wave, victim)
+            except Exception as e:  # recorded: the verdict decides what a rank failure means
+                for rank in wave:
+                    r = rec(rank)
+                    r["error"] = f"{type(e).__name__}: {e}"
+                    out.append(r)
+                continue
+            phases["queue"] = phases.get("queue", 0.0) + tm.pop("_began") - t_call
+            _add(phases, tm)
+            t = time.perf_counter()
+            written = time.time()
+            calls, recs = [], []
+            for rank, sf in zip(wave, staged, strict=True):
+                r = rec(rank)
+                r["stored"], r["written"] = sf.stored, written
+                if rank == victim:
+                    r["error"], r["killed"] = f"rank {rank} killed mid-save (injected)", True
+                    out.append(r)
+                    continue
+                path = f"rank-{rank:06d}.shard"
+                args = (cfg["job"], step, rank, [sf.record(path)])
+                calls.append(("commit_rank", args, {"host": host.name}))
+                recs.append(r)
+            answers = Answers(host.vol.meta.submit_many(calls))
+            sent = time.time()
+            for r in recs:
+                r["sent"] = sent
+            phases["submit"] = phases.get("submit", 0.0) + time.perf_counter() - t
+            waits.append((answers, recs, sent))
+            nursery.start_soon(acknowledged, answers, recs)
+
+    async def acknowledged(answers: Answers, recs: list[dict]) -> None:
+        await answers.wait()
+        for r, f, at in zip(recs, answers.futs, answers.at, strict=True):
+            try:
+                f.result()
+                r["done"] = at
+            except Exception as e:
+                r["error"] = f"{type(e).__name__}: {e}"
+            out.append(r)
+
+    async with trio.open_nursery() as nursery:
+        fast = [r for r in host.ranks if r not in slow]
+        nursery.start_soon(run, fast, 0.0, nursery)
+        if slow:
+            nursery.start_soon(run, sorted(slow), cfg["slow_delay"], nursery)
+    if waits:
+        answers, _, sent = waits[-1]
+        last = max(answers.at, default=sent)
+        phases["commit"] = max(0.0, last - sent)
+        info.append(
+            {"host": host.name, "began": began, "last": last, "waves": len(waits), "phases": phases}
         )
-        r["stored"] = stored
-        r["written"] = time.time()
-        fut = host.vol.meta.submit("commit_rank", cfg["job"], step, rank, [rec], host=host.name)
-        r["sent"] = time.time()
-        await wait_future(fut)
-        r["done"] = time.time()
-    except RankKilled as e:
-        r["error"], r["killed"] = str(e), True
-    except Exception as e:  # recorded: the verdict decides what a rank failure means
-        r["error"] = f"{type(e).__name__}: {e}"
-    out.append(r)
 
 
 # -- load ------------------------------------------------------------------------------------
-def read_shard(st: WorkerState, host: Host, step: int, rank: int, files: list) -> tuple[bool, str]:
-    """Fetch the rank's extents through the host tier and compare with the seed's bytes."""
-    if len(files) != 1:
-        return False, f"manifest lists {len(files)} files for rank {rank}, expected 1"
-    f = files[0]
-    size = int(f["size"])
-    if size != st.maker.shard_size:
-        return False, f"size {size}, expected {st.maker.shard_size}"
-    buf = bytearray(size)
-    covered = 0
-    for e in unpack_extents(f["extents"]):
-        raw = host.vol.fetch_chunk(e.chunk_id, small=maybe_inline(e))
-        buf[e.offset : e.offset + e.length] = raw[e.chunk_off : e.chunk_off + e.length]
-        covered += e.length
-    if covered != size:
-        return False, f"extents cover {covered} of {size} bytes"
-    want = st.maker.digest(rank, st.versions[step][rank])
-    if xxhash.xxh3_128_digest(bytes(buf)) != want:
-        return False, "content differs from what the rank wrote"
-    return True, ""
+def read_wave(
+    st: WorkerState, host: Host, step: int, ranks: list[int], mans: list
+) -> tuple[list[tuple[bool, str]], Timings]:
+    """Read a wave of shards (fusefs.client.batch.read_many: each pool worker reads its
+    share straight into buffers and verifies each against the seed's bytes as it goes)."""
+    t0 = time.perf_counter()
+    verify = [0.0]
+    lock = threading.Lock()
+    files: list[tuple[list, int]] = []
+    why: dict[int, str] = {}
+    for i, (rank, man) in enumerate(zip(ranks, mans, strict=True)):
+        fs = man["files"]
+        if len(fs) != 1:
+            why[i] = f"manifest lists {len(fs)} files for rank {rank}, expected 1"
+            files.append(([], 0))
+            continue
+        size = int(fs[0]["size"])
+        if size != st.maker.shard_size:
+            why[i] = f"size {size}, expected {st.maker.shard_size}"
+            files.append(([], 0))
+            continue
+        files.append((unpack_extents(fs[0]["extents"]), size))
+
+    def check(i: int, buf: bytearray) -> tuple[bool, str]:
+        if i in why:
+            return False, why[i]
+        t = time.perf_counter()
+        rank = ranks[i]
+        covered = sum(e.length for e in files[i][0])
+        if covered != len(buf):
+            ok, msg = False, f"extents cover {covered} of {len(buf)} bytes"
+        elif xxhash.xxh3_128_digest(buf) != st.expected(rank, step):
+            ok, msg = False, "content differs from what the rank wrote"
+        else:
+            ok, msg = True, ""
+        with lock:
+            verify[0] += time.perf_counter() - t
+        return ok, msg
+
+    got = read_many(host.vol, files, check)
+    return got, {"read": time.perf_counter() - t0, "verify (thread-s)": verify[0], "_began": t0}
 
 
-async def load_rank(st: WorkerState, host: Host, step: int, rank: int, start: float, out: list):
-    r = {"rank": rank, "host": host.name, "start": start, "bytes": 0, "ok": False, "error": ""}
-    try:
-        man = await wait_future(host.vol.meta.submit("manifest", st.cfg["job"], step, rank=rank))
-        r["manifest"] = time.time()
-        ok, why = await trio.to_thread.run_sync(
-            read_shard, st, host, step, rank, man["files"], limiter=host.limiter
+async def load_host(
+    st: WorkerState, host: Host, step: int, start: float, out: list, info: list
+) -> None:
+    """Every rank of one host: all manifests asked for at once (pipelined, answered from
+    the service's cached manifest), then the shards read and verified wave by wave."""
+    cfg = st.cfg
+    phases: Timings = {}
+    began = time.time()
+    t = time.perf_counter()
+    answers = Answers(
+        host.vol.meta.submit_many(
+            [("manifest", (cfg["job"], step), {"rank": r}) for r in host.ranks]
         )
-        r["ok"], r["error"] = ok, why
-        r["bytes"] = st.maker.shard_size if ok else 0
-        r["done"] = time.time()
-    except Exception as e:
-        r["error"] = f"{type(e).__name__}: {e}"
-    out.append(r)
+    )
+    await answers.wait()
+    phases["manifest"] = time.perf_counter() - t
+    mans: dict[int, Any] = {}
+    for rank, f in zip(host.ranks, answers.futs, strict=True):
+        try:
+            mans[rank] = f.result()
+        except Exception as e:
+            out.append(_load_rec(host, rank, start, error=f"{type(e).__name__}: {e}"))
+    todo = [r for r in host.ranks if r in mans]
+    await _read_waves(st, host, todo, {r: (step, mans[r]) for r in todo}, start, out, phases)
+    info.append({"host": host.name, "began": began, "last": time.time(), "phases": phases})
+
+
+async def _read_waves(
+    st: WorkerState,
+    host: Host,
+    ranks: list[int],
+    mans: dict[int, tuple[int, Any]],
+    start: float,
+    out: list,
+    phases: Timings,
+) -> None:
+    """Read and verify these ranks' shards (rank -> (step, manifest)), wave by wave."""
+    for wave in waves_of(ranks, st.maker.shard_size):
+        t_call = time.perf_counter()
+        steps = {mans[r][0] for r in wave}
+        try:
+            if len(steps) != 1:
+                raise ValueError(f"ranks of one host resolved different steps: {sorted(steps)}")
+            got, tm = await trio.to_thread.run_sync(
+                read_wave, st, host, steps.pop(), wave, [mans[r][1] for r in wave]
+            )
+        except Exception as e:
+            for rank in wave:
+                out.append(_load_rec(host, rank, start, error=f"{type(e).__name__}: {e}"))
+            continue
+        done = time.time()
+        phases["queue"] = phases.get("queue", 0.0) + tm.pop("_began") - t_call
+        _add(phases, tm)
+        for rank, (ok, why) in zip(wave, got, strict=True):
+            r = _load_rec(host, rank, start, error=why)
+            r["ok"], r["done"], r["step"] = ok, done, mans[rank][0]
+            r["bytes"] = st.maker.shard_size if ok else 0
+            out.append(r)
+
+
+def _load_rec(host: Host, rank: int, start: float, *, error: str = "") -> dict:
+    return {
+        "rank": rank,
+        "host": host.name,
+        "start": start,
+        "bytes": 0,
+        "ok": False,
+        "error": error,
+    }
+
+
+# -- resume ----------------------------------------------------------------------------------
+def resolve(url: str, job: str, rank: int) -> tuple[int | None, Any]:
+    """What one rank of a restarted job does first, on a connection of its own: find the
+    latest durable step, then its own part of that step's manifest."""
+    from metadata.client import connect
+
+    meta = connect(url)
+    try:
+        step = meta.latest_durable(job)
+        return step, None if step is None else meta.manifest(job, step, rank=rank)
+    finally:
+        meta.close()
+
+
+async def resume_host(st: WorkerState, host: Host, start: float, out: list, info: list) -> None:
+    """A restarted job on this host: the host's volume opened afresh (its tier adopting the
+    staging directory it left), every rank resolving latest_durable and its manifest on a
+    connection of its own (as many at once as the pool has workers), then the shards read
+    and verified wave by wave."""
+    cfg = st.cfg
+    phases: Timings = {}
+    began = time.time()
+    t = time.perf_counter()
+    old = host.vol
+    host.vol = await trio.to_thread.run_sync(lambda: open_host(cfg, host.index, host.ranks).vol)
+    await trio.to_thread.run_sync(old.close)
+    phases["open volume"] = time.perf_counter() - t
+    t = time.perf_counter()
+    url = cfg.get("urls", {}).get(host.index) or cfg["url"]
+
+    def resolve_all() -> list[tuple[int | None, Any] | Exception]:
+        def one(rank: int) -> tuple[int | None, Any] | Exception:
+            try:
+                return resolve(url, cfg["job"], rank)
+            except Exception as e:  # noqa: BLE001 - recorded per rank
+                return e
+
+        return list(host.vol.pool.map(one, host.ranks))
+
+    got = await trio.to_thread.run_sync(resolve_all)
+    phases["connect+resolve"] = time.perf_counter() - t
+    found: dict[int, tuple[int, Any]] = {}
+    for rank, res in zip(host.ranks, got, strict=True):
+        if isinstance(res, Exception):
+            out.append(_load_rec(host, rank, start, error=f"{type(res).__name__}: {res}"))
+        elif res[0] is None or res[0] not in st.versions:
+            out.append(_load_rec(host, rank, start, error=f"latest_durable is {res[0]}"))
+        else:
+            found[rank] = (res[0], res[1])
+    await _read_waves(st, host, [r for r in host.ranks if r in found], found, start, out, phases)
+    info.append({"host": host.name, "began": began, "last": time.time(), "phases": phases})
 
 
 # -- phases ----------------------------------------------------------------------------------
-async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -> list[dict]:
+async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -> dict:
+    """One save or load phase of every host of this process. Returns the rank records, the
+    hosts' phase times and the process's CPU seconds over the phase."""
     out: list[dict] = []
-    fn = save_rank if what == "save" else load_rank
+    hosts: list[dict] = []
+    fn = {"save": save_host, "load": load_host}.get(what)
     total = sum(len(h.ranks) for h in st.hosts)
-    for h in st.hosts:
-        h.limiter = trio.CapacityLimiter(st.cfg["threads_per_host"])
 
     async def progress(cancel: trio.CancelScope) -> None:
         sent = -1
@@ -263,15 +499,20 @@ async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -
                 return
             await trio.sleep(PROGRESS_EVERY)
 
+    cpu0 = _cpu()
     with trio.move_on_after(max(1.0, start - time.time()) + st.cfg["phase_timeout"]):
         await trio.sleep(max(0.0, start - time.time()))
+        cpu0 = _cpu()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(progress, nursery.cancel_scope)
             async with trio.open_nursery() as ranks:
                 for h in st.hosts:
-                    for rank in h.ranks:
-                        ranks.start_soon(fn, st, h, step, rank, start, out)
+                    if fn is None:  # resume
+                        ranks.start_soon(resume_host, st, h, start, out, hosts)
+                    else:
+                        ranks.start_soon(fn, st, h, step, start, out, hosts)
             await trio.sleep(10)  # the progress task ends the scope after its last report
+    cpu = _cpu() - cpu0
     done = {r["rank"] for r in out}
     for h in st.hosts:  # a rank still running at the phase timeout is a failure, recorded
         for rank in h.ranks:
@@ -289,7 +530,13 @@ async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -
                         "bytes": 0,
                     }
                 )
-    return out
+    return {"ranks": out, "hosts": hosts, "cpu_s": cpu}
+
+
+def _cpu() -> float:
+    """CPU seconds of this process so far, every thread (the tier's uploaders too)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def flush_all(st: WorkerState, timeout: float) -> list[dict]:
@@ -351,6 +598,8 @@ def worker_main(
             elif msg[0] == "load":
                 _, step, start = msg
                 conn.send(("result", trio.run(run_phase, st, conn, "load", step, start)))
+            elif msg[0] == "resume":
+                conn.send(("result", trio.run(run_phase, st, conn, "resume", 0, msg[1])))
             elif msg[0] == "flush":
                 conn.send(("result", flush_all(st, msg[1])))
             elif msg[0] == "counters":

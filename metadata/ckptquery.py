@@ -19,6 +19,8 @@ from metadata.engine import (
     MetaError,
 )
 
+DURABLE_SEEN_MAX = 4096  # (job, step) pairs remembered as durable by latest_durable
+
 
 class CheckpointQueryMixin:
     """Needs CheckpointMixin's `_ckpt_read`, `_brief`, `_step`, `_blobs`, `_file_rows`."""
@@ -65,23 +67,40 @@ class CheckpointQueryMixin:
         return None if row is None or row[0] is None else int(row[0])
 
     def latest_durable(self, job: str) -> int | None:
-        """The newest published step whose every chunk is on the object nodes."""
+        """The newest published step whose every chunk is on the object nodes.
+
+        Checking a step reads every chunk id of it; a restarted job asks once per rank, so
+        a step found durable is remembered by (job, step, created): a published step's
+        chunks stay durable while the step exists (gc takes only unreferenced chunks), and
+        the list of published steps is read afresh on every call, so a step deleted since,
+        or deleted and begun again (a new `created`), is never answered from memory, by
+        this replica or any other."""
         check_job(job)
-        self.apply_pending()  # chunk states of journalled chunks live in the journal
+        seen = self.__dict__.setdefault("_durable_seen", {})
         with self._ckpt_read() as c:
             steps = self._x(
                 c,
-                "SELECT step FROM ckpt_steps WHERE job = ? AND state = ? ORDER BY step DESC "
-                "LIMIT 1000",
+                "SELECT step, created FROM ckpt_steps WHERE job = ? AND state = ? "
+                "ORDER BY step DESC LIMIT 1000",
                 (job, PUBLISHED),
             ).fetchall()
-            for (step,) in steps:
+            if steps and (job, int(steps[0][0]), steps[0][1]) in seen:
+                return int(steps[0][0])
+        self.apply_pending()  # chunk states of journalled chunks live in the journal
+        with self._ckpt_read() as c:
+            for step, created in steps:
+                key = (job, int(step), created)
+                if key in seen:
+                    return int(step)
                 inos = self._step_inos(c, job, step)
                 ids: set[bytes] = set()
                 for ranks in inos.values():
                     for blob in self._blobs(c, [ino for _, ino in ranks]).values():
                         ids.update(blob_chunk_ids(blob))
                 if not self._any_staged(c, sorted(ids)):
+                    if len(seen) >= DURABLE_SEEN_MAX:
+                        seen.clear()
+                    seen[key] = True
                     return int(step)
         return None
 

@@ -22,7 +22,14 @@ def _cfg(tmp_path, **kw) -> HarnessConfig:
 
 def test_small_run_end_to_end(tmp_path):
     rep = run(
-        _cfg(tmp_path, steps=2, change_rate=0.25, chunk_size=64 * 1024, shard_size=256 * 1024)
+        _cfg(
+            tmp_path,
+            steps=2,
+            change_rate=0.25,
+            chunk_size=64 * 1024,
+            shard_size=256 * 1024,
+            resume=True,
+        )
     )
     assert rep["verdict"]["ok"], rep["verdict"]
     s1, s2 = rep["steps"]
@@ -31,6 +38,25 @@ def test_small_run_end_to_end(tmp_path):
         assert s["verified"] == 64 and not s["verify_failures"]
         assert s["ranks_committed"] == 64 and s["publish_ms"] is not None
         assert s["save_p50_s"] <= s["save_p99_s"] <= s["save_max_s"]
+        # where the time went: phases timed one by one add up to the measured time
+        for b in (s["save_breakdown"], s["load_breakdown"]):  # within 10% (or 50 ms: tiny)
+            assert abs(b["gap_s"]) <= max(0.10 * b["measured_s"], 0.05), b
+            assert b["sum_s"] == pytest.approx(sum(b["phases_s"].values()), abs=1e-3)
+        assert {"generate", "hash", "exist", "store", "sync", "commit", "publish"} <= set(
+            s["save_breakdown"]["phases_s"]
+        )
+        assert {"manifest", "read"} <= set(s["load_breakdown"]["phases_s"])
+        for what in ("save", "load"):
+            assert s[f"cpu_ms_per_rank_{what}_client"] > 0
+            assert s[f"cpu_ms_per_rank_{what}_service"] > 0
+    # a restarted job: fresh volumes and connections, latest_durable, every shard verified
+    r = rep["resume"]
+    assert r["step"] == 2 and r["verified"] == 64 and not r["failures"]
+    b = r["breakdown"]
+    assert abs(b["gap_s"]) <= max(0.10 * b["measured_s"], 0.05), b
+    assert rep["resume_vs_disk"] > 0 and rep["load_vs_disk"] > 0
+    assert rep["baseline_disk"]["read_gbps"] > 0
+    assert rep["step2_vs_step1"] > 0
     assert s1["stored_ratio"] == pytest.approx(1.0, abs=0.01)  # random data: nothing to save
     assert 0.1 < s2["stored_ratio"] < 0.45  # ~25% of the blocks changed
     assert rep["latest"] == rep["latest_durable"] == 2

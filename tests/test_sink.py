@@ -117,3 +117,54 @@ def test_a_failed_store_fails_the_close_and_commits_nothing(vol):
     with pytest.raises(OSError, match="disk on fire"):
         w.close()
     assert vol.resolve("/bad").size == 0
+
+
+def test_a_batch_of_files_is_one_pass_with_the_records_a_file_writer_makes(vol, tmp_path):
+    """fusefs.client.batch: many files staged in one pass (one existence query, one sync)
+    give the extents and new-chunk records FileWriter gives for the same bytes; a chunk
+    two files share is new in both commits' records but stored once; commit_rank takes
+    the records and the files read back whole through read_many."""
+    from fusefs.client.batch import read_many, stage_files
+    from metadata.checkpoints import unpack_extents
+
+    vol.attach_tier(str(tmp_path / "staging"), durability="local")
+    rng = __import__("random").Random(7)
+    shared = rng.randbytes(MiB)
+    files = [[rng.randbytes(MiB), shared, rng.randbytes(300_000)] for _ in range(3)]
+    asked, synced = [], []
+    real_missing, real_sync = vol.meta.missing_chunks, vol.tier.sync_staged
+    vol.meta.missing_chunks = lambda ids: asked.append(len(ids)) or real_missing(ids)
+    vol.tier.sync_staged = lambda: synced.append(1) or real_sync()
+    timings: dict[str, float] = {}
+    staged = stage_files(vol, files, timings)
+    assert asked == [7] and synced == [1]  # 3 x 2 own chunks + the shared one, asked once
+    assert {"chunk", "hash", "exist", "store", "sync"} <= set(timings)
+    with vol.open_write("/ref") as w:  # the one write path, for comparison
+        for buf in files[0]:
+            w.write(buf)
+            w.cut()
+    assert [e.chunk_id for e in staged[0].extents] == [e.chunk_id for e in w.extents]
+    assert staged[0].size == w.size == 2 * MiB + 300_000
+    shared_id = staged[0].extents[1].chunk_id
+    assert all(f.extents[1].chunk_id == shared_id for f in staged)
+    for f in staged:
+        assert shared_id in {c.chunk_id for c in f.new_chunks}
+    assert (
+        sum(f.stored for f in staged)
+        == sum(c.stored_len for f in staged for c in f.new_chunks if c.chunk_id != shared_id)
+        + staged[0].new_chunks[1].stored_len
+    )  # the shared chunk is stored (counted) once
+    vol.meta.begin("job", 1, 3, deadline_s=60)
+    for rank, f in enumerate(staged):
+        vol.meta.commit_rank("job", 1, rank, [f.record(f"r{rank}")], host="h")
+    assert vol.meta.step_state("job", 1)["state"] == "published"
+    man = vol.meta.manifest("job", 1)["files"]
+    got = read_many(
+        vol,
+        [(unpack_extents(m["extents"]), m["size"]) for m in man],
+        lambda i, buf: bytes(buf),
+    )
+    assert got == [b"".join(f) for f in files]
+    # a second batch of the same bytes stores nothing new
+    again = stage_files(vol, files[:1])
+    assert again[0].new_chunks == [] and again[0].stored == 0
