@@ -188,6 +188,10 @@ def test_latest_durable_follows_mark_durable(volume):
     assert m.latest_durable("d") == 1
     m.mark_durable([f["extents"][0].chunk_id for f in rank_files(0, b"2")])
     assert m.latest_durable("d") == 2
+    # remembered as durable (a restarted job asks once per rank), never past a delete
+    assert m.latest_durable("d") == 2
+    m.delete_checkpoint("d", 2)
+    assert m.latest("d") == m.latest_durable("d") == 1
 
 
 def test_checkpoint_commits_are_fsynced_ordinary_writes_are_not(volume):
