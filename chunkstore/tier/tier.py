@@ -134,6 +134,7 @@ class WriteBehindTier(Recovery):
         self._stored_lens: dict[bytes, int] = {}  # transcoded on upload: size on the nodes
         self._sync_lock = threading.Lock()
         self._last_put = 0.0  # monotonic time of this process's last foreground put
+        self._busy_since = 0.0  # monotonic start of the current unbroken foreground stretch
         self._last_mark = 0.0  # wall time we last touched the host-wide activity file
         self._flushing = 0  # flush() callers waiting: drain regardless of foreground writes
         self._own_staged = 0  # bytes of our pending files
@@ -327,7 +328,10 @@ class WriteBehindTier(Recovery):
         is mostly such content, and with only its few new chunks counted the uploaders saw
         half-second lulls and compressed and uploaded in the middle of it, taking the GIL
         from the serving thread for each chunk's copies."""
-        self._last_put = time.monotonic()
+        mono = time.monotonic()
+        if mono - self._last_put >= self.idle_s:  # after a lull: a new stretch of work
+            self._busy_since = mono
+        self._last_put = mono
         now = time.time()
         if now - self._last_mark >= 0.05:
             self._last_mark = now
@@ -345,25 +349,35 @@ class WriteBehindTier(Recovery):
     def _should_drain(self) -> float:
         """0 when the uploader may go now, else seconds to wait before asking again.
 
-        The uploader yields to foreground writes (they share the disk, and on small hosts the
-        CPU): it drains when the host has had no put for `idle_s`, on flush/close, when
-        staged chunks (not the read cache, which is evicted at will) pass `high_water`
-        of its budget, or when the oldest chunk has waited
-        `max_defer_s` (a host that never stops writing still drains, oldest first)."""
+        The uploader yields to foreground work (it shares the disk, and on small hosts the
+        CPU): it drains when the host has had no foreground put or batch load for `idle_s`,
+        on flush/close, when staged chunks (not the read cache, which is evicted at will)
+        pass `high_water` of its budget, or when this process has been busy without a lull
+        for `max_defer_s`, or, while other processes on the host are the busy ones, when its
+        oldest chunk has waited that long (a host that never stops writing still drains).
+
+        Why the busy stretch and not the oldest chunk's age: a job that saves every few
+        seconds lulls between saves, and its uploads belong there. Counting age, the
+        previous step's chunks turned 30 s old in the middle of the next save, and 64
+        uploaders (16 hosts on 2 cores) compressed and fsync'd through it: at 4,096 ranks
+        that tripled the save's generate-and-stage time (docs/benchmark-history.md)."""
         if self._flushing or self._stop.is_set():
             return 0.0
         if self._used - self._cached > self.high_water * self.budget:
             return 0.0
-        if self._queue and time.time_ns() - self._queue[0][0] > self.max_defer_s * 1e9:
+        now = time.monotonic()
+        quiet = now - self._last_put
+        if quiet < self.idle_s and now - self._busy_since > self.max_defer_s:
             return 0.0
-        quiet = time.monotonic() - self._last_put
         if quiet < self.idle_s:
             return self.idle_s - quiet
         try:
             host_quiet = time.time() - os.stat(self.active_path).st_mtime
         except OSError:
             return 0.0
-        if host_quiet < self.idle_s:
+        if host_quiet < self.idle_s:  # another process here is busy: wait, but not forever
+            if self._queue and time.time_ns() - self._queue[0][0] > self.max_defer_s * 1e9:
+                return 0.0
             return max(0.01, self.idle_s - host_quiet)
         return 0.0
 

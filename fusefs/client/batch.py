@@ -171,6 +171,9 @@ def read_many(
     def run(part: range) -> list[T]:
         return [check(i, read_whole(vol, *files[i])) for i in part]
 
+    if vol.tier is not None:  # a job is waiting for these bytes: the uploaders hold off
+        vol.tier.foreground()
+
     out: list[T] = [None] * len(files)  # type: ignore[list-item]
     parts = _parts(len(files), vol.workers)
     for part, got in zip(parts, vol.pool.map(run, parts), strict=True):
