@@ -18,12 +18,11 @@ import mmap
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from chunkstore import codec
-from chunkstore.fileio import write_new
+from chunkstore.fileio import temp_path, write_new
 from chunkstore.ids import chunk_id, id_hasher
 
 log = logging.getLogger("ckptfs.cache")
@@ -176,7 +175,7 @@ class ChunkCache:
 
     def add(self, cid: bytes, blob: bytes) -> int:
         """Cache an encoded object (temp + rename; no fsync: reads verify). Returns bytes added."""
-        tmp = os.path.join(self.tmp, f"c{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        tmp = temp_path(self.tmp, "c")
         try:
             write_new(tmp, blob, sync=False)
             os.rename(tmp, self.path(cid))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import threading
+import uuid
 from collections.abc import Callable
 
 
@@ -184,6 +186,19 @@ def _flush_bounce(fd: int, bounce: memoryview, n: int) -> int:
             return n
         view = view[done:]
     return n
+
+
+_tmp_seq = itertools.count()
+
+
+def temp_path(directory: str, prefix: str = "") -> str:
+    """A name in `directory` no other writer uses: prefix, our pid (so a cleaner can tell
+    a dead process's leftovers), a per-process sequence number and 64 random bits. Eight
+    random hex digits alone collided: a tier writes thousands of temp files a step, and
+    one EEXIST failed a whole wave of a host's ranks."""
+    return os.path.join(
+        directory, f"{prefix}{os.getpid()}.{next(_tmp_seq)}.{uuid.uuid4().hex[:16]}"
+    )
 
 
 def write_new(

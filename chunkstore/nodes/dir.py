@@ -14,10 +14,9 @@ import logging
 import os
 import shutil
 import threading
-import uuid
 from collections.abc import Iterator
 
-from chunkstore.fileio import fsync_dir, rename_noreplace, write_new
+from chunkstore.fileio import fsync_dir, rename_noreplace, temp_path, write_new
 from chunkstore.ids import check_id, from_hex
 from chunkstore.nodes import NodeError, NodeInfo, ObjectMissing, ObjectNode
 
@@ -90,7 +89,7 @@ class DirNode(ObjectNode):
                 os.makedirs(self._tmp, exist_ok=True)
                 with self._lock:
                     self._made.add(d)
-            tmp = os.path.join(self._tmp, f"{cid.hex()}.{uuid.uuid4().hex[:8]}")
+            tmp = temp_path(self._tmp, f"{cid.hex()}.")
             write_new(tmp, blob, sync=sync)
             if sync:
                 os.rename(tmp, final)  # durable content replaces whatever was there

@@ -12,11 +12,11 @@ import heapq
 import logging
 import os
 import time
-import uuid
 
 from chunkstore import codec
 from chunkstore.fileio import (
     fsync_dir,
+    temp_path,
     write_new,
 )
 from chunkstore.ids import from_hex
@@ -80,7 +80,7 @@ class Recovery:
         dst = os.path.join(self.staged_dir, cid.hex())
         if same_bytes(dst, payload):
             return False
-        tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        tmp = temp_path(self.tmp_dir, "s")
         write_new(tmp, payload, sync=True)
         place_inline(tmp, dst, payload)
         return True

@@ -24,6 +24,7 @@ from chunkstore.fileio import (
     dir_bytes,
     fdatasync_path,
     fsync_dir,
+    temp_path,
     write_new,
 )
 from chunkstore.ids import chunk_id
@@ -241,7 +242,7 @@ class WriteBehindTier(Recovery):
             if inline:
                 self._inline_held += n
         payload = b"".join(parts) if inline else None
-        tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        tmp = temp_path(self.tmp_dir, "s")
         try:
             write_new(tmp, parts, sync=False, writeback=payload is None)
         except OSError as e:
@@ -385,7 +386,7 @@ class WriteBehindTier(Recovery):
         n = len(blob)
         self._reserve(n)
         try:
-            tmp = os.path.join(self.tmp_dir, f"s{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            tmp = temp_path(self.tmp_dir, "s")
             write_new(tmp, blob, sync=True)
             os.rename(tmp, os.path.join(self.staged_dir, cid.hex()))
             self._dirsync.sync()  # the rename is durable before the journal names it
