@@ -278,8 +278,8 @@ async def save_host(
                 args = (cfg["job"], step, rank, [sf.record(path)])
                 calls.append(("commit_rank", args, {"host": host.name}))
                 recs.append(r)
+            sent = time.time()  # before: an answer may land before submit_many returns
             answers = Answers(host.vol.meta.submit_many(calls))
-            sent = time.time()
             for r in recs:
                 r["sent"] = sent
             phases["submit"] = phases.get("submit", 0.0) + time.perf_counter() - t

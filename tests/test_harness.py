@@ -46,9 +46,10 @@ def test_small_run_end_to_end(tmp_path):
             s["save_breakdown"]["phases_s"]
         )
         assert {"manifest", "read"} <= set(s["load_breakdown"]["phases_s"])
-        for what in ("save", "load"):
+        for what in ("save", "load"):  # the service's share of a tiny load can be < 1 tick
             assert s[f"cpu_ms_per_rank_{what}_client"] > 0
-            assert s[f"cpu_ms_per_rank_{what}_service"] > 0
+            assert s[f"cpu_ms_per_rank_{what}_service"] >= 0
+        assert s["cpu_ms_per_rank_save"] >= s["cpu_ms_per_rank_save_client"] > 0
     # a restarted job: fresh volumes and connections, latest_durable, every shard verified
     r = rep["resume"]
     assert r["step"] == 2 and r["verified"] == 64 and not r["failures"]
