@@ -759,6 +759,37 @@ def test_unsynced_puts_are_acknowledged_by_one_sync(vol_path, tmp_path):
         vol.close()
 
 
+def test_a_big_batch_is_made_durable_by_one_syncfs(vol_path, tmp_path, monkeypatch):
+    """From SYNCFS_MIN files on, sync_staged makes them durable with one syncfs of the
+    staging filesystem instead of an fdatasync (and a journal commit of the filesystem)
+    each; below that, file by file. Either way the chunks are staged and read back."""
+    from chunkstore.tier import tier as tiermod
+
+    calls: list[str] = []
+    fdatasyncs: list[str] = []
+    real_fs, real_fd = tiermod.sync_filesystem, tiermod.fdatasync_path
+    monkeypatch.setattr(tiermod, "sync_filesystem", lambda p: calls.append(p) or real_fs(p))
+    monkeypatch.setattr(tiermod, "fdatasync_path", lambda p: fdatasyncs.append(p) or real_fd(p))
+    staging = str(tmp_path / "staging")
+    vol = _open(vol_path, staging, size=256 * MiB, idle_s=60)
+    try:
+        tier = vol.tier
+        for n, want_syncfs in ((tiermod.SYNCFS_MIN, 1), (3, 0)):
+            calls.clear()
+            fdatasyncs.clear()
+            chunks = [_raw_chunk(vol, 128 * 1024, 1000 * n + s) for s in range(n)]
+            for cid, raw in chunks:
+                tier.put(cid, codec.encode(raw, "none"), sync=False)
+            assert tier.sync_staged() == n
+            assert len(calls) == want_syncfs
+            assert len(fdatasyncs) == (0 if want_syncfs else n)
+            for cid, raw in chunks:
+                assert tier.get(cid) == raw
+        assert _check_journals(staging) == tiermod.SYNCFS_MIN + 3
+    finally:
+        vol.close()
+
+
 UNSYNCED_CHILD = r"""
 import sys, time
 from chunkstore import codec

