@@ -19,7 +19,6 @@ import pytest
 import chunkstore.cache
 from bench.throttle import read_counts, throttle_volume
 from chunkstore import codec
-from chunkstore.store import ChunkStoreError
 from chunkstore.tier.journal import (
     INLINE_MAX,
     KIND_DONE,
@@ -1093,46 +1092,3 @@ def test_a_staged_chunk_whose_record_was_lost_is_uploaded(vol_path, tmp_path):
         assert vol.store.get(cid) == raw
     finally:
         vol.close()
-
-
-def test_uploads_are_marked_durable_only_after_the_nodes_sync(vol_path, tmp_path):
-    """The uploader puts objects unsynced and marks them durable only after one store
-    sync; a sync that fails gets the batch uploaded again, and nothing of it is marked
-    until a sync succeeds."""
-    vol = _open(vol_path, str(tmp_path / "staging"), size=256 * MiB)
-    store = vol.tier.store
-    real_sync, real_mark = store.sync, vol.tier.on_durable
-    events: list[str] = []
-    fail = [1]
-
-    def sync() -> None:
-        if fail[0]:
-            fail[0] -= 1
-            events.append("sync failed")
-            raise ChunkStoreError("injected: node sync failed")
-        events.append("sync")
-        real_sync()
-
-    def marked(ids, sizes):
-        events.append("mark")
-        return real_mark(ids, sizes)
-
-    store.sync, vol.tier.on_durable = sync, marked
-    try:
-        blobs = [_data(3 * MiB, r) for r in range(2)]
-        vol.meta.begin("job", 1, 2)
-        for r, d in enumerate(blobs):
-            _save_rank(vol, "job", 1, r, d)
-        staged = vol.stats()["staged_chunks"]
-        assert staged > 0
-        vol.tier.flush(timeout=60)
-        assert vol.meta.latest_durable("job") == 1
-        assert events[0] == "sync failed"
-        first_mark = events.index("mark")
-        assert "sync" in events[:first_mark]  # a successful sync came before any mark
-        assert vol.tier.uploaded_chunks > staged  # the failed sync's batch went up again
-    finally:
-        vol.close()
-    with Volume.open(vol_path) as plain:
-        for r, d in enumerate(blobs):
-            assert plain.read_file(f"job/step-000001/rank-{r}.distcp") == d
