@@ -69,13 +69,6 @@ class FaultNode(ObjectNode):
         self._maybe_wait()
         self.inner.put(cid, blob)
 
-    def put_nosync(self, cid: bytes, blob: bytes | memoryview) -> None:
-        self._maybe_wait()
-        self.inner.put_nosync(cid, blob)
-
-    def sync(self) -> None:
-        self.inner.sync()
-
     def get(self, cid: bytes) -> bytes:
         self._maybe_wait()
         return self.inner.get(cid)

@@ -57,7 +57,6 @@ _SYNC_FILE_RANGE = _libc("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctype
 _RENAMEAT2 = _libc("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
                                  ctypes.c_uint])  # fmt: skip
 _SYNCFS = _libc("syncfs", [ctypes.c_int])
-SYNCFS_MIN = 32  # files to make durable from which one syncfs beats an fdatasync each
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1
 
 

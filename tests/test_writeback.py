@@ -763,7 +763,6 @@ def test_a_big_batch_is_made_durable_by_one_syncfs(vol_path, tmp_path, monkeypat
     """From SYNCFS_MIN files on, sync_staged makes them durable with one syncfs of the
     staging filesystem instead of an fdatasync (and a journal commit of the filesystem)
     each; below that, file by file. Either way the chunks are staged and read back."""
-    from chunkstore.fileio import SYNCFS_MIN
     from chunkstore.tier import tier as tiermod
 
     calls: list[str] = []
@@ -775,7 +774,7 @@ def test_a_big_batch_is_made_durable_by_one_syncfs(vol_path, tmp_path, monkeypat
     vol = _open(vol_path, staging, size=256 * MiB, idle_s=60)
     try:
         tier = vol.tier
-        for n, want_syncfs in ((SYNCFS_MIN, 1), (3, 0)):
+        for n, want_syncfs in ((tiermod.SYNCFS_MIN, 1), (3, 0)):
             calls.clear()
             fdatasyncs.clear()
             chunks = [_raw_chunk(vol, 128 * 1024, 1000 * n + s) for s in range(n)]
@@ -786,7 +785,7 @@ def test_a_big_batch_is_made_durable_by_one_syncfs(vol_path, tmp_path, monkeypat
             assert len(fdatasyncs) == (0 if want_syncfs else n)
             for cid, raw in chunks:
                 assert tier.get(cid) == raw
-        assert _check_journals(staging) == SYNCFS_MIN + 3
+        assert _check_journals(staging) == tiermod.SYNCFS_MIN + 3
     finally:
         vol.close()
 

@@ -16,14 +16,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 
-from chunkstore.fileio import (
-    SYNCFS_MIN,
-    fsync_dir,
-    rename_noreplace,
-    sync_filesystem,
-    temp_path,
-    write_new,
-)
+from chunkstore.fileio import fsync_dir, rename_noreplace, temp_path, write_new
 from chunkstore.ids import check_id, from_hex
 from chunkstore.nodes import NodeError, NodeInfo, ObjectMissing, ObjectNode
 
@@ -69,14 +62,10 @@ class DirNode(ObjectNode):
         self._write(cid, blob, sync=False)
 
     def sync(self) -> None:
-        """Make every object put unsynced durable: an fdatasync each and their directories
-        fsync'd, or from SYNCFS_MIN objects on, one syncfs of the node's filesystem."""
         with self._lock:
             files, self._unsynced = self._unsynced, {}
         dirs = set(files.values())
         try:
-            if len(files) >= SYNCFS_MIN and sync_filesystem(self.root):
-                return
             for path in files:
                 try:
                     fd = os.open(path, os.O_RDONLY)

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from chunkstore import codec
 from chunkstore.cache import ChunkCache, read_object, read_object_into
 from chunkstore.fileio import (
-    SYNCFS_MIN,
     dir_bytes,
     fdatasync_path,
     fsync_dir,
@@ -47,6 +46,7 @@ from chunkstore.tier.recover import Recovery
 
 log = logging.getLogger("ckptfs.tier")
 
+SYNCFS_MIN = 32  # files in one sync_staged from which one syncfs beats an fdatasync each
 STAGED, DURABLE = 0, 1  # == metadata.engine.STAGED / DURABLE
 DURABILITY = ("local", "remote")
 
@@ -612,7 +612,7 @@ class WriteBehindTier(Recovery):
                     return True
             try:
                 t0 = time.monotonic()
-                self.store.put_encoded(cid, blob, sync=False)  # synced in a batch by _mark
+                self.store.put_encoded(cid, blob)
             except (ChunkStoreError, NodeError) as e:
                 with self._cond:
                     self.failures += 1
@@ -641,34 +641,13 @@ class WriteBehindTier(Recovery):
 
         A chunk the metadata does not know yet (its file is not committed) is journaled U
         (uploaded) and its staged space freed anyway, since it is on R nodes; marking it is
-        retried every second until its commit lands (or `register_timeout`: never committed).
-
-        Uploads are put unsynced; one `store.sync()` here makes the batch durable on its
-        nodes before anything is marked (an fsync or two per replica each cost the drain
-        more than the copying, and competed with the next save for the disk). If that sync
-        fails, the batch is uploaded again: what the failed sync covered is unknown."""
+        retried every second until its commit lands (or `register_timeout`: never committed)."""
         with self._cond:
             batch, self._to_mark = self._to_mark, []
             now = time.monotonic()
             retry = [c for c, (_, last) in self._unregistered.items() if final or now - last >= 1]
         if not batch and not retry:
             return
-        if batch:
-            try:
-                self.store.sync()
-            except (ChunkStoreError, NodeError) as e:
-                log.warning(
-                    "syncing %d uploaded chunks failed (uploading again): %s", len(batch), e
-                )
-                with self._cond:
-                    for c in batch:
-                        if c in self._pending:
-                            self._seq += 1
-                            heapq.heappush(self._queue, (self._pending[c][1], self._seq, c))
-                    self._cond.notify_all()
-                batch = []
-                if not retry:
-                    return
         ids = batch + retry
         unknown: set[bytes] = set()
         if self.on_durable is not None:
