@@ -179,6 +179,8 @@ def stage_wave(
     (fusefs.client.batch.stage_files): stored in the host's tier and acknowledged, not
     committed. The killed rank's shard stops halfway (its half is staged, then it dies)."""
     t0 = time.perf_counter()
+    if host.vol.tier is not None:  # a save starts now: the host's uploaders hold off
+        host.vol.tier.foreground()
     cfg = st.cfg
     shards = []
     for rank in ranks:
