@@ -60,19 +60,33 @@ _SYNCFS = _libc("syncfs", [ctypes.c_int])
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1
 
 
-def sync_filesystem(path: str) -> bool:
-    """syncfs(2) on the filesystem holding `path`: every dirty file there made durable in one
-    call and one journal commit. False where libc lacks it (the caller syncs file by file)."""
-    if _SYNCFS is None:
-        return False
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _kernel_at_least(major: int, minor: int) -> bool:
     try:
-        if _SYNCFS(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err), path)
-    finally:
-        os.close(fd)
-    return True
+        got = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return got >= (major, minor)
+
+
+def open_syncfs(path: str) -> int | None:
+    """A descriptor to syncfs the filesystem holding `path` through, or None where syncfs
+    cannot report a failed writeback (no syncfs in libc, Linux before 5.8).
+
+    Kept open by its owner for its lifetime: syncfs reports the writeback errors that
+    happened since *this descriptor* last looked, so one opened per call would miss an
+    error another process's syncfs saw first, and acknowledge a file that never reached
+    the disk."""
+    if _SYNCFS is None or not _kernel_at_least(5, 8):
+        return None
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def sync_filesystem(fd: int) -> None:
+    """syncfs(2) through a descriptor from open_syncfs: every dirty file of that filesystem
+    made durable in one call and one journal commit; OSError if any writeback failed."""
+    if _SYNCFS(fd) != 0:  # type: ignore[misc]
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def rename_noreplace(src: str, dst: str) -> bool:

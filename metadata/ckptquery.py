@@ -70,26 +70,24 @@ class CheckpointQueryMixin:
         """The newest published step whose every chunk is on the object nodes.
 
         Checking a step reads every chunk id of it; a restarted job asks once per rank, so
-        a step found durable is remembered by (job, step, created): a published step's
-        chunks stay durable while the step exists (gc takes only unreferenced chunks), and
-        the list of published steps is read afresh on every call, so a step deleted since,
-        or deleted and begun again (a new `created`), is never answered from memory, by
-        this replica or any other."""
+        a step found durable is remembered, keyed by (job, step, created, the change log's
+        last number): a step's chunks stay durable while nothing rewrites its files (gc
+        takes only unreferenced chunks), a rewrite of any inode advances the change log
+        (metadata/changes.py, a trigger on every inode update), and the published steps
+        are read afresh on every call, so a step deleted since, deleted and begun again (a
+        new `created`) or written to since is never answered from memory, by this replica
+        or any other. A step is checked and remembered within one read transaction."""
         check_job(job)
         seen = self.__dict__.setdefault("_durable_seen", {})
         with self._ckpt_read() as c:
-            steps = self._x(
-                c,
-                "SELECT step, created FROM ckpt_steps WHERE job = ? AND state = ? "
-                "ORDER BY step DESC LIMIT 1000",
-                (job, PUBLISHED),
-            ).fetchall()
-            if steps and (job, int(steps[0][0]), steps[0][1]) in seen:
+            steps, seq = self._published_steps(c, job)
+            if steps and (job, int(steps[0][0]), steps[0][1], seq) in seen:
                 return int(steps[0][0])
         self.apply_pending()  # chunk states of journalled chunks live in the journal
         with self._ckpt_read() as c:
+            steps, seq = self._published_steps(c, job)
             for step, created in steps:
-                key = (job, int(step), created)
+                key = (job, int(step), created, seq)
                 if key in seen:
                     return int(step)
                 inos = self._step_inos(c, job, step)
@@ -98,11 +96,24 @@ class CheckpointQueryMixin:
                     for blob in self._blobs(c, [ino for _, ino in ranks]).values():
                         ids.update(blob_chunk_ids(blob))
                 if not self._any_staged(c, sorted(ids)):
-                    if len(seen) >= DURABLE_SEEN_MAX:
-                        seen.clear()
-                    seen[key] = True
+                    if ids:  # an empty answer (a step deleted under a weaker isolation)
+                        if len(seen) >= DURABLE_SEEN_MAX:
+                            seen.clear()
+                        seen[key] = True
                     return int(step)
         return None
+
+    def _published_steps(self, c: Any, job: str) -> tuple[list, int]:
+        """(step, created) of the job's published steps, newest first, and the change log's
+        last number, read in the caller's transaction."""
+        steps = self._x(
+            c,
+            "SELECT step, created FROM ckpt_steps WHERE job = ? AND state = ? "
+            "ORDER BY step DESC LIMIT 1000",
+            (job, PUBLISHED),
+        ).fetchall()
+        row = self._one(c, "SELECT MAX(seq) FROM changes", ())
+        return steps, int(row[0] or 0) if row else 0
 
     def _any_staged(self, c: Any, ids: list[bytes]) -> bool:
         for i in range(0, len(ids), 500):

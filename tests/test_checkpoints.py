@@ -192,6 +192,14 @@ def test_latest_durable_follows_mark_durable(volume):
     assert m.latest_durable("d") == 2
     m.delete_checkpoint("d", 2)
     assert m.latest("d") == m.latest_durable("d") == 1
+    # ... nor past a rewrite: a published step's file is an ordinary file, and new content
+    # on a chunk still staged makes the step not durable, remembered or not
+    attr = volume.resolve("d/step-000001/model/rank-0000-0.distcp")
+    cid = b"rewritten".ljust(16, b"x")
+    m.commit_file(attr.ino, [Extent(0, 10, cid, 0)], 10, [NewChunk(cid, 10, 10, STAGED)])
+    assert m.latest("d") == 1 and m.latest_durable("d") is None
+    m.mark_durable([cid])
+    assert m.latest_durable("d") == 1
 
 
 def test_checkpoint_commits_are_fsynced_ordinary_writes_are_not(volume):

@@ -761,31 +761,60 @@ def test_unsynced_puts_are_acknowledged_by_one_sync(vol_path, tmp_path):
 
 def test_a_big_batch_is_made_durable_by_one_syncfs(vol_path, tmp_path, monkeypatch):
     """From SYNCFS_MIN files on, sync_staged makes them durable with one syncfs of the
-    staging filesystem instead of an fdatasync (and a journal commit of the filesystem)
-    each; below that, file by file. Either way the chunks are staged and read back."""
-    from chunkstore.tier import tier as tiermod
+    staging filesystem (through the tier's own descriptor) instead of an fdatasync each;
+    below that, file by file. A failed sync drops the batch: its writers fail, and the
+    same chunks put again are written again, not acknowledged from the failed files."""
+    import errno as _errno
 
-    calls: list[str] = []
+    from chunkstore.tier import tier as tiermod
+    from chunkstore.tier.tier import SYNCFS_MIN
+
+    calls: list[int] = []
     fdatasyncs: list[str] = []
+    fail = [0]
     real_fs, real_fd = tiermod.sync_filesystem, tiermod.fdatasync_path
-    monkeypatch.setattr(tiermod, "sync_filesystem", lambda p: calls.append(p) or real_fs(p))
+
+    def syncfs(fd: int) -> None:
+        calls.append(fd)
+        if fail[0]:
+            fail[0] -= 1
+            raise OSError(_errno.EIO, "injected writeback error")
+        real_fs(fd)
+
+    monkeypatch.setattr(tiermod, "sync_filesystem", syncfs)
     monkeypatch.setattr(tiermod, "fdatasync_path", lambda p: fdatasyncs.append(p) or real_fd(p))
     staging = str(tmp_path / "staging")
     vol = _open(vol_path, staging, size=256 * MiB, idle_s=60)
     try:
         tier = vol.tier
-        for n, want_syncfs in ((tiermod.SYNCFS_MIN, 1), (3, 0)):
+        if tier._syncfs_fd is None:
+            pytest.skip("no syncfs that reports writeback errors here (Linux < 5.8)")
+        for n, want_syncfs in ((SYNCFS_MIN, 1), (3, 0)):
             calls.clear()
             fdatasyncs.clear()
             chunks = [_raw_chunk(vol, 128 * 1024, 1000 * n + s) for s in range(n)]
             for cid, raw in chunks:
                 tier.put(cid, codec.encode(raw, "none"), sync=False)
             assert tier.sync_staged() == n
-            assert len(calls) == want_syncfs
+            assert calls == [tier._syncfs_fd] * want_syncfs
             assert len(fdatasyncs) == (0 if want_syncfs else n)
             for cid, raw in chunks:
                 assert tier.get(cid) == raw
-        assert _check_journals(staging) == tiermod.SYNCFS_MIN + 3
+        assert _check_journals(staging) == SYNCFS_MIN + 3
+        chunks = [_raw_chunk(vol, 128 * 1024, 7000 + s) for s in range(SYNCFS_MIN)]
+        for cid, raw in chunks:
+            tier.put(cid, codec.encode(raw, "none"), sync=False)
+        fail[0] = 1
+        with pytest.raises(OSError):
+            tier.sync_staged()
+        assert not os.listdir(os.path.join(staging, "tmp"))  # the batch is gone
+        assert tier.sync_staged() == 0 and _check_journals(staging) == SYNCFS_MIN + 3
+        for cid, raw in chunks:  # put again: written again, then acknowledged
+            tier.put(cid, codec.encode(raw, "none"), sync=False)
+        assert len(os.listdir(os.path.join(staging, "tmp"))) == SYNCFS_MIN
+        assert tier.sync_staged() == SYNCFS_MIN
+        for cid, raw in chunks:
+            assert tier.get(cid) == raw
     finally:
         vol.close()
 

@@ -24,6 +24,7 @@ from chunkstore.fileio import (
     dir_bytes,
     fdatasync_path,
     fsync_dir,
+    open_syncfs,
     sync_filesystem,
     temp_path,
     write_new,
@@ -112,6 +113,7 @@ class WriteBehindTier(Recovery):
         self.tmp_dir = os.path.join(self.root, "tmp")
         for d in (self.staged_dir, self.journal_dir, self.status_dir, self.tmp_dir):
             os.makedirs(d, exist_ok=True)
+        self._syncfs_fd = open_syncfs(self.tmp_dir)  # for the tier's life (fileio.open_syncfs)
         self.budget = size if size is not None else default_staging_size(self.root)
         self.cache = ChunkCache(self.root, store.seed)
         self._dirsync = GroupSync(lambda: fsync_dir(self.staged_dir))
@@ -284,13 +286,21 @@ class WriteBehindTier(Recovery):
             from concurrent.futures import ThreadPoolExecutor
 
             paths = [tmp for _, (tmp, _, payload) in batch if payload is None]
-            if len(paths) == 1:  # one big chunk: no pool to start for one fsync
-                fdatasync_path(paths[0])
-            elif len(paths) >= SYNCFS_MIN and sync_filesystem(self.tmp_dir):
-                pass  # many files: one syncfs, not one fdatasync (and journal commit) each
-            elif paths:
-                with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
-                    list(ex.map(fdatasync_path, paths))
+            try:
+                if len(paths) == 1:  # one big chunk: no pool to start for one fsync
+                    fdatasync_path(paths[0])
+                elif len(paths) >= SYNCFS_MIN and self._syncfs_fd is not None:
+                    sync_filesystem(self._syncfs_fd)  # one call, not an fdatasync each
+                elif paths:
+                    with ThreadPoolExecutor(
+                        min(8, len(paths)), thread_name_prefix="ckptfs-sync"
+                    ) as ex:
+                        list(ex.map(fdatasync_path, paths))
+            except OSError:
+                # What reached the disk is unknown, and a second sync would not report the
+                # error again: drop the batch, so its writers fail and a retry rewrites it.
+                self._drop_unsynced([cid for cid, _ in batch])
+                raise
             replaced = False
             for cid, (tmp, _, payload) in batch:
                 dst = os.path.join(self.staged_dir, cid.hex())
@@ -315,8 +325,16 @@ class WriteBehindTier(Recovery):
 
     def discard_unsynced(self) -> None:
         """Drop chunks put with sync=False and never acknowledged (their save failed)."""
-        with self._sync_lock, self._cond:
-            batch, self._unsynced = self._unsynced, {}
+        with self._sync_lock:
+            self._drop_unsynced(None)
+
+    def _drop_unsynced(self, ids: list[bytes] | None) -> None:
+        """Forget these unacknowledged chunks (None: all) and remove their temp files."""
+        with self._cond:
+            if ids is None:
+                batch, self._unsynced = self._unsynced, {}
+            else:
+                batch = {c: self._unsynced.pop(c) for c in ids if c in self._unsynced}
             for cid, (tmp, n, payload) in batch.items():
                 self._hints.pop(cid, None)
                 self._reserved -= n
@@ -866,6 +884,9 @@ class WriteBehindTier(Recovery):
         for t in self._threads:
             t.join()
         self.discard_unsynced()  # never acknowledged: their save did not reach its commit
+        if self._syncfs_fd is not None:
+            os.close(self._syncfs_fd)
+            self._syncfs_fd = None
         try:
             self._mark(final=True)
         except Exception:
