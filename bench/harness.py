@@ -287,7 +287,10 @@ def run(cfg: HarnessConfig, log=None) -> dict:
                 "errors": [f"{r['host']}: {r['error']}" for r in res if not r["ok"]][:5],
             }
         if cfg.resume and any(r.state == "published" for r in steps):
-            resume = _resume(cfg, env, workers, show)
+            try:
+                resume = _resume(cfg, env, workers, show)
+            except HarnessError as e:  # a finding of the run (the verdict fails), not a crash
+                resume = {"error": str(e), "verified": 0, "failures": []}
         final = _final_check(cfg, env, workers, meta, job, steps, show, errors)
         workers.send(("counters",))
         for part in workers.gather("counters", 60, None):

@@ -98,6 +98,7 @@ class Host:
     name: str
     ranks: list[int]
     vol: Volume
+    counted: dict[str, int] = field(default_factory=lambda: {"failovers": 0, "reconnects": 0})
 
 
 @dataclass
@@ -138,22 +139,30 @@ def open_host(cfg: dict, index: int, ranks: list[int]) -> Host:
     from metadata.client import connect
 
     meta = connect(cfg.get("urls", {}).get(index) or cfg["url"])
-    config = meta.get_config()
-    nodes: list[ObjectNode] = [
-        FaultNode(
-            open_node(NodeInfo(n["name"], n["url"], n["domain"])),
-            cfg["fault_dir"],
-            cfg["slow_node_delay"],
-        )
-        for n in config["nodes"]
-    ]
+    try:
+        config = meta.get_config()
+        nodes: list[ObjectNode] = [
+            FaultNode(
+                open_node(NodeInfo(n["name"], n["url"], n["domain"])),
+                cfg["fault_dir"],
+                cfg["slow_node_delay"],
+            )
+            for n in config["nodes"]
+        ]
+    except BaseException:
+        meta.close()
+        raise
     vol = Volume(meta, config, nodes=nodes, workers=cfg["threads_per_host"] * 2)
     name = f"host-{index:03d}"
-    vol.attach_tier(
-        os.path.join(cfg["staging_root"], name),
-        size=cfg["staging_size"],
-        durability=cfg["durability"],
-    )
+    try:
+        vol.attach_tier(
+            os.path.join(cfg["staging_root"], name),
+            size=cfg["staging_size"],
+            durability=cfg["durability"],
+        )
+    except BaseException:
+        vol.close()
+        raise
     return Host(index, name, ranks, vol)
 
 
@@ -281,11 +290,18 @@ async def save_host(
                 calls.append(("commit_rank", args, {"host": host.name}))
                 recs.append(r)
             sent = time.time()  # before: an answer may land before submit_many returns
-            answers = Answers(host.vol.meta.submit_many(calls))
             for r in recs:
                 r["sent"] = sent
+            try:  # a blocking send (a full socket, a reconnect's resend): not on the loop
+                futs = await trio.to_thread.run_sync(host.vol.meta.submit_many, calls)
+            except Exception as e:  # the client is closed or failed: these ranks failed
+                for r in recs:
+                    r["error"] = f"{type(e).__name__}: {e}"
+                    out.append(r)
+                continue
+            answers = Answers(futs)
             phases["submit"] = phases.get("submit", 0.0) + time.perf_counter() - t
-            waits.append((answers, recs, sent))
+            waits.append((answers, recs, time.time()))
             nursery.start_soon(acknowledged, answers, recs)
 
     async def acknowledged(answers: Answers, recs: list[dict]) -> None:
@@ -303,10 +319,10 @@ async def save_host(
         nursery.start_soon(run, fast, 0.0, nursery)
         if slow:
             nursery.start_soon(run, sorted(slow), cfg["slow_delay"], nursery)
-    if waits:
-        answers, _, sent = waits[-1]
-        last = max(answers.at, default=sent)
-        phases["commit"] = max(0.0, last - sent)
+    if waits:  # commit: from the last wave's send returning to the last answer of any wave
+        submitted = max(w[2] for w in waits)
+        last = max(max(a.at, default=t) for a, _, t in waits)
+        phases["commit"] = max(0.0, last - submitted)
         info.append(
             {"host": host.name, "began": began, "last": last, "waves": len(waits), "phases": phases}
         )
@@ -428,12 +444,12 @@ def _load_rec(host: Host, rank: int, start: float, *, error: str = "") -> dict:
 
 
 # -- resume ----------------------------------------------------------------------------------
-def resolve(url: str, job: str, rank: int) -> tuple[int | None, Any]:
+def resolve(url: str, job: str, rank: int, retry_for: float) -> tuple[int | None, Any]:
     """What one rank of a restarted job does first, on a connection of its own: find the
     latest durable step, then its own part of that step's manifest."""
     from metadata.client import connect
 
-    meta = connect(url)
+    meta = connect(url, retry_for=retry_for)
     try:
         step = meta.latest_durable(job)
         return step, None if step is None else meta.manifest(job, step, rank=rank)
@@ -449,18 +465,28 @@ async def resume_host(st: WorkerState, host: Host, start: float, out: list, info
     cfg = st.cfg
     phases: Timings = {}
     began = time.time()
-    t = time.perf_counter()
-    old = host.vol
-    host.vol = await trio.to_thread.run_sync(lambda: open_host(cfg, host.index, host.ranks).vol)
-    await trio.to_thread.run_sync(old.close)
+    for k in host.counted:  # what the old connection counted stays in the report
+        host.counted[k] += int(getattr(host.vol.meta, k, 0) or 0)
+    await trio.to_thread.run_sync(host.vol.close)  # the old process is gone first: the new
+    t = time.perf_counter()  # tier adopts its journal, as after a real restart
+    try:
+        host.vol = await trio.to_thread.run_sync(lambda: open_host(cfg, host.index, host.ranks).vol)
+    except Exception as e:  # recorded for every rank of the host: the verdict fails
+        for rank in host.ranks:
+            out.append(_load_rec(host, rank, start, error=f"reopening the host: {e}"))
+        return
     phases["open volume"] = time.perf_counter() - t
     t = time.perf_counter()
     url = cfg.get("urls", {}).get(host.index) or cfg["url"]
+    deadline = time.monotonic() + cfg["phase_timeout"]
 
     def resolve_all() -> list[tuple[int | None, Any] | Exception]:
         def one(rank: int) -> tuple[int | None, Any] | Exception:
+            left = deadline - time.monotonic()  # a thread cannot be cancelled: bound it here
+            if left <= 0:
+                return TimeoutError("no time left in the phase")
             try:
-                return resolve(url, cfg["job"], rank)
+                return resolve(url, cfg["job"], rank, retry_for=min(60.0, left))
             except Exception as e:  # noqa: BLE001 - recorded per rank
                 return e
 
@@ -559,7 +585,7 @@ def counters(st: WorkerState) -> dict:
     out = {"failovers": 0, "reconnects": 0}
     for h in st.hosts:
         for k in out:
-            out[k] += int(getattr(h.vol.meta, k, 0) or 0)
+            out[k] += h.counted[k] + int(getattr(h.vol.meta, k, 0) or 0)
     return out
 
 

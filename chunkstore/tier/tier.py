@@ -380,7 +380,8 @@ class WriteBehindTier(Recovery):
         on flush/close, when staged chunks (not the read cache, which is evicted at will)
         pass `high_water` of its budget, or when this process has been busy without a lull
         for `max_defer_s`, or, while other processes on the host are the busy ones, when its
-        oldest chunk has waited that long (a host that never stops writing still drains).
+        oldest chunk has waited that long, or in any case once it has waited four times
+        that (a host that never stops writing, or stops only briefly, still drains).
 
         Why the busy stretch and not the oldest chunk's age: a job that saves every few
         seconds lulls between saves, and its uploads belong there. Counting age, the
@@ -395,6 +396,8 @@ class WriteBehindTier(Recovery):
         quiet = now - self._last_put
         if quiet < self.idle_s and now - self._busy_since > self.max_defer_s:
             return 0.0
+        if self._queue and time.time_ns() - self._queue[0][0] > 4 * self.max_defer_s * 1e9:
+            return 0.0  # busy in stretches with short lulls between: not forever either
         if quiet < self.idle_s:
             return self.idle_s - quiet
         try:
