@@ -269,12 +269,10 @@ class WriteBehindTier(Recovery):
         return STAGED
 
     def sync_staged(self) -> int:
-        """Make every chunk put with sync=False durable here: fsync the files (in parallel,
-        one queue for the disk; from SYNCFS_MIN files on, one syncfs of the staging
-        filesystem instead: an fdatasync each cost a journal commit each, and at 4,096 ranks
-        the sync phase of a save took 5.6 s of its 14.6), rename them into staged/, one
-        directory fsync, one journal append + fsync. Returns the chunks acknowledged. Same
-        crash-safety order as `put`.
+        """Make every chunk put with sync=False durable here: fsync the files (in parallel;
+        from SYNCFS_MIN files on, one syncfs instead: docs/ARCHITECTURE.md), rename them
+        into staged/, one directory fsync, one journal append + fsync. Returns the chunks
+        acknowledged. Same crash-safety order as `put`.
         Small chunks skip their file's and the directory's fsync: their journal records
         carry their bytes (see the module docstring)."""
         with self._sync_lock:
@@ -296,10 +294,8 @@ class WriteBehindTier(Recovery):
                         min(8, len(paths)), thread_name_prefix="ckptfs-sync"
                     ) as ex:
                         list(ex.map(fdatasync_path, paths))
-            except OSError:
-                # What reached the disk is unknown, and a second sync would not report the
-                # error again: drop the batch, so its writers fail and a retry rewrites it.
-                self._drop_unsynced([cid for cid, _ in batch])
+            except OSError:  # unknown what reached the disk, and a retry would not say:
+                self._drop_unsynced([cid for cid, _ in batch])  # its writers fail, redo it
                 raise
             replaced = False
             for cid, (tmp, _, payload) in batch:
@@ -375,19 +371,12 @@ class WriteBehindTier(Recovery):
     def _should_drain(self) -> float:
         """0 when the uploader may go now, else seconds to wait before asking again.
 
-        The uploader yields to foreground work (it shares the disk, and on small hosts the
-        CPU): it drains when the host has had no foreground put or batch load for `idle_s`,
-        on flush/close, when staged chunks (not the read cache, which is evicted at will)
-        pass `high_water` of its budget, or when this process has been busy without a lull
-        for `max_defer_s`, or, while other processes on the host are the busy ones, when its
-        oldest chunk has waited that long, or in any case once it has waited four times
-        that (a host that never stops writing, or stops only briefly, still drains).
-
-        Why the busy stretch and not the oldest chunk's age: a job that saves every few
-        seconds lulls between saves, and its uploads belong there. Counting age, the
-        previous step's chunks turned 30 s old in the middle of the next save, and 64
-        uploaders (16 hosts on 2 cores) compressed and fsync'd through it: at 4,096 ranks
-        that tripled the save's generate-and-stage time (docs/benchmark-history.md)."""
+        Uploads yield to foreground work (disk and, on small hosts, CPU and the GIL): they go
+        when the host had no foreground put or batch load for `idle_s`, on flush/close,
+        above `high_water` of the budget in staged bytes, when this process has been busy
+        `max_defer_s` without a lull (not "the oldest chunk waited that long": a job saving
+        every few seconds then drained in the middle of its next save), when only other
+        processes here are busy and a chunk waited that long, or when one waited 4x that."""
         if self._flushing or self._stop.is_set():
             return 0.0
         if self._used - self._cached > self.high_water * self.budget:
@@ -397,7 +386,7 @@ class WriteBehindTier(Recovery):
         if quiet < self.idle_s and now - self._busy_since > self.max_defer_s:
             return 0.0
         if self._queue and time.time_ns() - self._queue[0][0] > 4 * self.max_defer_s * 1e9:
-            return 0.0  # busy in stretches with short lulls between: not forever either
+            return 0.0
         if quiet < self.idle_s:
             return self.idle_s - quiet
         try:
