@@ -66,6 +66,13 @@ def disk_write(path: str, pieces: Iterator[bytes]) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def drop_caches() -> bool:
     """Write back and drop the page cache (root only): the next read comes from the disk."""
     os.sync()

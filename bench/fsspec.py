@@ -37,7 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.fuse import drain, drop_caches, mount_ckptfs, seq_read, seq_write, unmount  # noqa: E402
+from bench.common import drop_caches  # noqa: E402
+from bench.fuse import drain, mount_ckptfs, seq_read, seq_write, unmount  # noqa: E402
 
 MiB = 2**20
 

@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.common import drop_caches  # noqa: E402
+from bench.common import cpu_s, drop_caches  # noqa: E402
 
 MiB = 2**20
 GiB = 2**30
@@ -142,13 +142,6 @@ def drain(mp: str) -> float:
     t = time.perf_counter()
     os.setxattr(mp, "user.ckptfs.flush", b"1")
     return round(time.perf_counter() - t, 2)
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def mbps(nbytes: int, secs: float) -> float:

@@ -37,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bench.common import disk_read_cold, disk_write, drop_caches
@@ -44,7 +45,7 @@ from bench.harness_config import HarnessConfig, HarnessError
 from bench.harness_data import ShardMaker
 from bench.harness_env import Env
 from bench.harness_faults import FaultRunner
-from bench.harness_report import breakdown
+from bench.harness_report import breakdown, per_rank_ms
 from fusefs.cli.progress import Progress
 from metadata.engine import MetaError
 
@@ -462,24 +463,17 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
         rec.faults.append(f"slow-rank x{cfg.slow_rank}")
     rec.start = time.time() + 0.3
     faults.step_started(rec)
-    svc0 = env.service_cpu()
-    workers.send(("save", step, rec.start))
-    bar = Progress(cfg.ranks, f"step {step} save", enabled=show, unit="ranks")
-    seen = [0]
 
     def progress(n: int) -> None:
-        bar.update(n - seen[0])
-        seen[0] = n
         if faulty and cfg.kill_node and not env.killed and n >= max(1, cfg.ranks // 4):
             env.kill_node()
             rec.faults.append(f"kill-node {env.killed} at {n}/{cfg.ranks} ranks")
             rec.may_abort = True
         faults.save_progress(rec, n)
 
-    try:
-        parts = workers.gather("save", cfg.phase_timeout + 60, progress)
-    finally:
-        bar.close()
+    parts, svc0 = _phase(
+        cfg, env, workers, ("save", step, rec.start), f"step {step} save", show, progress
+    )
     if faulty and cfg.kill_node and not env.killed:  # a tiny run finished before a report
         env.kill_node()
         rec.faults.append(f"kill-node {env.killed} after the writes")
@@ -508,20 +502,8 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
 
 def _load_step(cfg, env, workers, rec: StepRecord, show: bool, label: str = "") -> None:
     rec.load_start = time.time() + 0.3
-    svc0 = env.service_cpu()
-    workers.send(("load", rec.loaded_step, rec.load_start))
     what = label or f"step {rec.step} load"
-    bar = Progress(cfg.ranks, what, enabled=show, unit="ranks")
-    seen = [0]
-
-    def progress(n: int) -> None:
-        bar.update(n - seen[0])
-        seen[0] = n
-
-    try:
-        parts = workers.gather("load", cfg.phase_timeout + 60, progress)
-    finally:
-        bar.close()
+    parts, svc0 = _phase(cfg, env, workers, ("load", rec.loaded_step, rec.load_start), what, show)
     rec.load = sorted((r for p in parts for r in p["ranks"]), key=lambda r: r["rank"])
     rec.load_hosts = [h for p in parts for h in p["hosts"]]
     rec.cpu["load_client_s"] = sum(p["cpu_s"] for p in parts)
@@ -534,19 +516,7 @@ def _resume(cfg: HarnessConfig, env: Env, workers: Workers, show: bool) -> dict:
     shard and verifying it. Timed from the start to the last rank verified."""
     cold = drop_caches()
     start = time.time() + 0.3
-    svc0 = env.service_cpu()
-    workers.send(("resume", start))
-    bar = Progress(cfg.ranks, "resume", enabled=show, unit="ranks")
-    seen = [0]
-
-    def progress(n: int) -> None:
-        bar.update(n - seen[0])
-        seen[0] = n
-
-    try:
-        parts = workers.gather("resume", cfg.phase_timeout + 60, progress)
-    finally:
-        bar.close()
+    parts, svc0 = _phase(cfg, env, workers, ("resume", start), "resume", show)
     ranks = [r for p in parts for r in p["ranks"]]
     done = [r["done"] for r in ranks if "done" in r]
     secs = max(done) - start if done else None
@@ -561,11 +531,38 @@ def _resume(cfg: HarnessConfig, env: Env, workers: Workers, show: bool) -> dict:
         "verified": len(ok),
         "failures": [f"{r['rank']}: {r['error']}" for r in ranks if not r.get("ok")][:10],
         "cold": cold,
-        "cpu_ms_per_rank": round((client + service) / max(1, len(ranks)) * 1e3, 3),
-        "cpu_ms_per_rank_client": round(client / max(1, len(ranks)) * 1e3, 3),
-        "cpu_ms_per_rank_service": round(service / max(1, len(ranks)) * 1e3, 3),
+        **per_rank_ms(client, service, max(1, len(ranks))),
         "breakdown": breakdown([h for p in parts for h in p["hosts"]], start, secs),
     }
+
+
+def _phase(
+    cfg: HarnessConfig,
+    env: Env,
+    workers: Workers,
+    msg: tuple,
+    label: str,
+    show: bool,
+    on_progress: Callable[[int], None] | None = None,
+) -> tuple[list, float]:
+    """Send one phase to every worker and gather their answers under a progress bar
+    (`on_progress(ranks done)` too). Returns the answers and the service's CPU seconds
+    at the start, for the caller to take the difference when its phase ends."""
+    svc0 = env.service_cpu()
+    workers.send(msg)
+    bar = Progress(cfg.ranks, label, enabled=show, unit="ranks")
+    seen = [0]
+
+    def progress(n: int) -> None:
+        bar.update(n - seen[0])
+        seen[0] = n
+        if on_progress is not None:
+            on_progress(n)
+
+    try:
+        return workers.gather(msg[0], cfg.phase_timeout + 60, progress), svc0
+    finally:
+        bar.close()
 
 
 def _save_seconds(rec: StepRecord) -> float | None:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from bench import netns
+from bench.common import cpu_s
 from bench.harness_config import HarnessConfig, HarnessError
 from bench.servers import ServerError
 from bench.servers.metaserve import MetaServer
@@ -301,17 +302,14 @@ class Env:
         replica restarted by a fault starts again from 0: its old CPU is lost to the sum).
         The database server's own processes (PostgreSQL) are not counted."""
         total = 0.0
-        tick = os.sysconf("SC_CLK_TCK")
         for s in self.servers:
             proc = s.proc
             if proc is None or proc.poll() is not None:
                 continue
             try:
-                with open(f"/proc/{proc.pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+                total += cpu_s(proc.pid)
             except OSError:
                 continue
-            total += (int(fields[11]) + int(fields[12])) / tick
         return total
 
     # -- faults ---------------------------------------------------------------------------

@@ -57,15 +57,21 @@ def breakdown(hosts: list[dict], t0: float, measured: float | None, tail: str = 
     }
 
 
+def per_rank_ms(client: float, service: float, ranks: int, what: str = "") -> dict:
+    """CPU milliseconds per rank, client + service and each: `cpu_ms_per_rank{_what}`..."""
+    key = f"cpu_ms_per_rank{'_' + what if what else ''}"
+    return {
+        key: round((client + service) / ranks * 1e3, 3),
+        f"{key}_client": round(client / ranks * 1e3, 3),
+        f"{key}_service": round(service / ranks * 1e3, 3),
+    }
+
+
 def _per_rank_ms(cpu: dict, what: str, ranks: int) -> dict:
     client, service = cpu.get(f"{what}_client_s"), cpu.get(f"{what}_service_s")
     if client is None or service is None or not ranks:
         return {}
-    return {
-        f"cpu_ms_per_rank_{what}": round((client + service) / ranks * 1e3, 3),
-        f"cpu_ms_per_rank_{what}_client": round(client / ranks * 1e3, 3),
-        f"cpu_ms_per_rank_{what}_service": round(service / ranks * 1e3, 3),
-    }
+    return per_rank_ms(client, service, ranks, what)
 
 
 def step_summary(rec, cfg) -> dict:

@@ -119,22 +119,6 @@ class WorkerState:
         return got if got is not None else self.maker.digest(rank, versions)
 
 
-async def wait_future(fut: Future) -> Any:
-    """Await a concurrent Future (a pipelined RPC) without tying up a thread."""
-    token = trio.lowlevel.current_trio_token()
-    done = trio.Event()
-
-    def wake(_f: Future) -> None:
-        try:
-            token.run_sync_soon(done.set)
-        except trio.RunFinishedError:
-            pass
-
-    fut.add_done_callback(wake)
-    await done.wait()
-    return fut.result()
-
-
 def open_host(cfg: dict, index: int, ranks: list[int]) -> Host:
     from metadata.client import connect
 
@@ -262,7 +246,7 @@ async def save_host(
     async def run(ranks: list[int], delay: float, nursery: trio.Nursery) -> None:
         if delay:
             await trio.sleep(delay)
-            phases["injected delay"] = phases.get("injected delay", 0.0) + delay
+            _add(phases, {"injected delay": delay})
         for wave in waves_of(ranks, st.maker.shard_size):
             t_call = time.perf_counter()
             try:
@@ -273,8 +257,7 @@ async def save_host(
                     r["error"] = f"{type(e).__name__}: {e}"
                     out.append(r)
                 continue
-            phases["queue"] = phases.get("queue", 0.0) + tm.pop("_began") - t_call
-            _add(phases, tm)
+            _add(phases, {"queue": tm.pop("_began") - t_call, **tm})
             t = time.perf_counter()
             written = time.time()
             calls, recs = [], []
@@ -300,7 +283,7 @@ async def save_host(
                     out.append(r)
                 continue
             answers = Answers(futs)
-            phases["submit"] = phases.get("submit", 0.0) + time.perf_counter() - t
+            _add(phases, {"submit": time.perf_counter() - t})
             waits.append((answers, recs, time.time()))
             nursery.start_soon(acknowledged, answers, recs)
 
@@ -381,11 +364,13 @@ async def load_host(
     phases: Timings = {}
     began = time.time()
     t = time.perf_counter()
-    answers = Answers(
-        host.vol.meta.submit_many(
-            [("manifest", (cfg["job"], step), {"rank": r}) for r in host.ranks]
-        )
-    )
+    calls = [("manifest", (cfg["job"], step), {"rank": r}) for r in host.ranks]
+    try:  # a blocking send: not on the loop (as the save's commits)
+        answers = Answers(await trio.to_thread.run_sync(host.vol.meta.submit_many, calls))
+    except Exception as e:
+        for rank in host.ranks:
+            out.append(_load_rec(host, rank, start, error=f"{type(e).__name__}: {e}"))
+        return
     await answers.wait()
     phases["manifest"] = time.perf_counter() - t
     mans: dict[int, Any] = {}
@@ -423,8 +408,7 @@ async def _read_waves(
                 out.append(_load_rec(host, rank, start, error=f"{type(e).__name__}: {e}"))
             continue
         done = time.time()
-        phases["queue"] = phases.get("queue", 0.0) + tm.pop("_began") - t_call
-        _add(phases, tm)
+        _add(phases, {"queue": tm.pop("_began") - t_call, **tm})
         for rank, (ok, why) in zip(wave, got, strict=True):
             r = _load_rec(host, rank, start, error=why)
             r["ok"], r["done"], r["step"] = ok, done, mans[rank][0]
@@ -457,7 +441,9 @@ def resolve(url: str, job: str, rank: int, retry_for: float) -> tuple[int | None
         meta.close()
 
 
-async def resume_host(st: WorkerState, host: Host, start: float, out: list, info: list) -> None:
+async def resume_host(
+    st: WorkerState, host: Host, _step: int, start: float, out: list, info: list
+) -> None:
     """A restarted job on this host: the host's volume opened afresh (its tier adopting the
     staging directory it left), every rank resolving latest_durable and its manifest on a
     connection of its own (as many at once as the pool has workers), then the shards read
@@ -508,11 +494,11 @@ async def resume_host(st: WorkerState, host: Host, start: float, out: list, info
 
 # -- phases ----------------------------------------------------------------------------------
 async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -> dict:
-    """One save or load phase of every host of this process. Returns the rank records, the
-    hosts' phase times and the process's CPU seconds over the phase."""
+    """One save, load or resume phase of every host of this process. Returns the rank
+    records, the hosts' phase times and the process's CPU seconds over the phase."""
     out: list[dict] = []
     hosts: list[dict] = []
-    fn = {"save": save_host, "load": load_host}.get(what)
+    fn = {"save": save_host, "load": load_host, "resume": resume_host}[what]
     total = sum(len(h.ranks) for h in st.hosts)
 
     async def progress(cancel: trio.CancelScope) -> None:
@@ -535,10 +521,7 @@ async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -
             nursery.start_soon(progress, nursery.cancel_scope)
             async with trio.open_nursery() as ranks:
                 for h in st.hosts:
-                    if fn is None:  # resume
-                        ranks.start_soon(resume_host, st, h, start, out, hosts)
-                    else:
-                        ranks.start_soon(fn, st, h, step, start, out, hosts)
+                    ranks.start_soon(fn, st, h, step, start, out, hosts)
             await trio.sleep(10)  # the progress task ends the scope after its last report
     cpu = _cpu() - cpu0
     done = {r["rank"] for r in out}

@@ -40,10 +40,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench.common import cpu_s, drop_caches  # noqa: E402
 from bench.fuse import (  # noqa: E402
-    cpu_s,
     drain,
-    drop_caches,
     mbps,
     seq_read,
     seq_write,

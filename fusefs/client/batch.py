@@ -68,11 +68,6 @@ def _timed(timings: Timings | None, name: str, t0: float) -> float:
     return now
 
 
-def _parts(n: int, workers: int) -> list[range]:
-    k = max(1, min(n, workers))
-    return [range(i, n, k) for i in range(k)]
-
-
 def stage_files(
     vol: Volume, files: Sequence[Sequence[Buffer]], timings: Timings | None = None
 ) -> list[StagedFile]:
@@ -107,16 +102,8 @@ def stage_files(
         if cid in missing and cid not in first:
             first[cid] = k
     todo = list(first.items())
-
-    def store(part: range) -> list[NewChunk]:
-        return [sink.store(cid, [chunks[k]], len(chunks[k])) for cid, k in (todo[j] for j in part)]
-
-    records: dict[bytes, NewChunk] = {}
-    for part, got in zip(
-        parts := _parts(len(todo), vol.workers), vol.pool.map(store, parts), strict=True
-    ):
-        for j, rec in zip(part, got, strict=True):
-            records[todo[j][0]] = rec
+    stored = sink.spread(lambda c: sink.store(c[0], [chunks[c[1]]], len(chunks[c[1]])), todo)
+    records: dict[bytes, NewChunk] = {rec.chunk_id: rec for rec in stored}
     t = _timed(timings, "store", t)
     sink.sync()
     _timed(timings, "sync", t)
@@ -125,13 +112,10 @@ def stage_files(
         f, n = out[owner[k]], len(data)
         f.extents.append(Extent(f.size, n, cid, 0))
         f.size += n
-        sink.chunks_in += 1
-        sink.bytes_in += n
         rec = records.get(cid)
-        if rec is None or first[cid] != k:
-            sink.dedup_hits += 1
-            sink.dedup_bytes += n
-        else:
+        known = rec is None or first[cid] != k
+        sink.counted(n, known=known)
+        if not known:
             f.stored += rec.stored_len
         if rec is not None and cid not in seen[owner[k]]:
             seen[owner[k]].add(cid)
@@ -151,7 +135,7 @@ def read_whole(vol: Volume, extents: list[Extent], size: int) -> bytearray:
             if vol.read_chunk_into(cid, [mv[off : off + n]]):
                 done.add(i)
     for i, e in enumerate(extents):
-        if i in done and whole is not None:
+        if i in done:
             continue
         lo, hi = max(0, e.offset), min(size, e.offset + e.length)
         if hi > lo:
@@ -167,16 +151,6 @@ def read_many(
 ) -> list[T]:
     """Read many files (extents, size) on the pool, one share of them per worker, and
     return check(index, bytes) for each, in order; each buffer is dropped after its check."""
-
-    def run(part: range) -> list[T]:
-        return [check(i, read_whole(vol, *files[i])) for i in part]
-
     if vol.tier is not None:  # a job is waiting for these bytes: the uploaders hold off
         vol.tier.foreground()
-
-    out: list[T] = [None] * len(files)  # type: ignore[list-item]
-    parts = _parts(len(files), vol.workers)
-    for part, got in zip(parts, vol.pool.map(run, parts), strict=True):
-        for i, r in zip(part, got, strict=True):
-            out[i] = r
-    return out
+    return vol.sink.spread(lambda i: check(i, read_whole(vol, *files[i])), range(len(files)))

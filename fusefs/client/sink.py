@@ -35,10 +35,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from chunkstore import codec
 from chunkstore.ids import chunk_id, pieces_id
@@ -52,6 +52,8 @@ INFLIGHT_BYTES = 64 * 2**20  # raw bytes being encoded/stored per stream
 UNSYNCED_MAX = 256 * 2**20  # unacknowledged bytes a volume's writers may hold
 RENEW_EVERY_S = 300.0  # lease renewals of uncommitted chunks (leases last LEASE_TTL_S)
 
+T = TypeVar("T")
+R = TypeVar("R")
 Buffer = bytes | bytearray | memoryview
 Pieces = Sequence[Buffer]  # one chunk as consecutive buffers (not joined: copied once, late)
 Hint = tuple[str | None, int | None]  # (codec name, float element width) for a new chunk
@@ -98,16 +100,32 @@ class ChunkSink:
         and eight DCP ranks on two cores pay for every one."""
         seed = self.vol.seed
 
-        def ids(part: Sequence[Any]) -> list[bytes]:
-            return [pieces_id(c, seed) if isinstance(c, list) else chunk_id(c, seed) for c in part]
+        def one(c: Any) -> bytes:
+            return pieces_id(c, seed) if isinstance(c, list) else chunk_id(c, seed)
 
-        n = min(len(chunks), self.vol.workers)
+        return self.spread(one, chunks)
+
+    def spread(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """[fn(x) for x in items] on the volume's pool, in one task per worker, each taking
+        every worker-th item (interleaved, so big and small items spread evenly): a task per
+        item is a wake-up and a GIL hand-off each. One item or one worker: inline."""
+        n = min(len(items), self.vol.workers)
         if n <= 1:
-            return ids(chunks)
-        out: list[bytes] = [b""] * len(chunks)
-        for k, part in enumerate(self.vol.pool.map(lambda k: ids(chunks[k::n]), range(n))):
+            return [fn(x) for x in items]
+        out: list[Any] = [None] * len(items)
+        for k, part in enumerate(
+            self.vol.pool.map(lambda k: [fn(x) for x in items[k::n]], range(n))
+        ):
             out[k::n] = part
         return out
+
+    def counted(self, n: int, *, known: bool) -> None:
+        """One chunk of n bytes handed in by a writer; `known`: already stored (dedup)."""
+        self.chunks_in += 1
+        self.bytes_in += n
+        if known:
+            self.dedup_hits += 1
+            self.dedup_bytes += n
 
     def missing(self, ids: list[bytes]) -> set[bytes]:
         """Which of these chunks the volume lacks; the rest are written already (dedup).
@@ -216,25 +234,17 @@ class ChunkSink:
         enough to be inline skips the query: its record carries the bytes, and the commit
         keeps a chunk row already there."""
         cid = pieces_id(list(pieces), self.vol.seed)
-        self.chunks_in += 1
-        self.bytes_in += n
-        if n > INLINE_DATA_MAX and not self.missing([cid]):
-            self.dedup_hits += 1
-            self.dedup_bytes += n
-            return cid, None
-        return cid, self.store(cid, pieces, n, inline=True)
+        known = n > INLINE_DATA_MAX and not self.missing([cid])
+        self.counted(n, known=known)
+        return cid, None if known else self.store(cid, pieces, n, inline=True)
 
     def count_committed(self, n: int, *, new: bool) -> None:
         """A chunk a writer committed without the sink (the mount's small file committed
         on its loop connection): counted as handed in, and as inline or a dedup hit."""
-        self.chunks_in += 1
-        self.bytes_in += n
+        self.counted(n, known=not new)
         if new:
             self.puts_inline += 1
             self.stored_bytes += n
-        else:
-            self.dedup_hits += 1
-            self.dedup_bytes += n
 
     # -- acknowledging -------------------------------------------------------------------
     @property
@@ -349,12 +359,9 @@ class ChunkStream:
         missing = sink.missing(ask) if ask else set()
         for (off, pieces, n, hint), cid in zip(batch, ids, strict=True):
             self.extents.append(Extent(off, n, cid, 0))
-            sink.chunks_in += 1
-            sink.bytes_in += n
-            if cid not in missing or cid in self._planned:
-                sink.dedup_hits += 1
-                sink.dedup_bytes += n
-            else:
+            known = cid not in missing or cid in self._planned
+            sink.counted(n, known=known)
+            if not known:
                 self._planned.add(cid)
                 while self._inflight and self._inflight_bytes + n > self.inflight_max:
                     self._reap()
