@@ -7,6 +7,13 @@ run; one JSON object.
   frontends stage in the same write-behind directory (durability local); after each
   write the tier is drained (untimed) so its upload slows no later phase, and each timed
   phase starts after a sync(). Every phase writes different bytes (dedup would skip them).
+- `--pairs` rounds (3 by default), each measuring the disk, the mount and fsspec back to
+  back, alternating whether the mount or fsspec goes first: the disk's speed swings from
+  minute to minute and both frontends are bound by it at 1 GiB, so one sample each says
+  more about the minute than about the frontend. The ratios are the medians of the
+  rounds' ratios; every round is in `rounds`. `*_cpu_s_per_gib` is the CPU the work cost
+  (fsspec: its process; the mount: its daemon plus the writing or reading process), the
+  figure a FUSE crossing adds to whatever the disk allows.
   Targets: write_vs_mount >= 1.0 and read_vs_mount >= 1.0 (fsspec throughput over the
   mount's: no FUSE crossing in the way).
 - metrics_overhead: the mount's write throughput with `--metrics` being scraped (every
@@ -25,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -37,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.common import drop_caches  # noqa: E402
+from bench.common import cpu_s, drop_caches  # noqa: E402
 from bench.fuse import drain, mount_ckptfs, seq_read, seq_write, unmount  # noqa: E402
 
 MiB = 2**20
@@ -158,16 +166,93 @@ def overhead(args, vol: str, base: str, env: dict, opts: list[str], data: Data) 
     }
 
 
+def timed_cpu(fn, *pids: int) -> tuple[float, float]:
+    """(seconds, CPU seconds of this process and of `pids`) of fn()."""
+
+    def cpu() -> float:
+        return time.process_time() + sum(cpu_s(p) for p in pids)
+
+    c = cpu()
+    secs = fn()
+    return secs, cpu() - c
+
+
+def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], data: Data) -> dict:
+    """The disk, then the mount and fsspec (which first alternates with r): one sample of
+    each, written, drained (untimed) and read cold."""
+    from fusefs.cli.units import parse_size
+    from fusefs.client.registry import close_volumes
+    from fusefs.fsspec import CkptfsFileSystem
+
+    nbytes = args.size * MiB
+    res: dict = {}
+    disk = os.path.join(base, "disk.bin")
+    res["disk_write_mbps"] = mbps(nbytes, seq_write(disk, data.next()))
+    res["disk_read_mbps"] = mbps(nbytes, seq_read(disk))
+    os.unlink(disk)
+
+    def mount() -> None:
+        mp = os.path.join(base, "mnt")
+        proc = mount_ckptfs(vol, mp, env, *opts)
+        try:
+            path = os.path.join(mp, f"seq-{r}.bin")
+            view = data.next()
+            w, wc = timed_cpu(lambda: seq_write(path, view), proc.pid)
+            res["mount_drain_s"] = drain(mp)
+            rd, rc = timed_cpu(lambda: seq_read(path), proc.pid)
+        finally:
+            unmount(mp, proc)
+        res.update(mount_write_mbps=mbps(nbytes, w), mount_read_mbps=mbps(nbytes, rd))
+        res.update(mount_write_cpu_s=round(wc, 2), mount_read_cpu_s=round(rc, 2))
+
+    def fsspec() -> None:
+        fs = CkptfsFileSystem(
+            volume=vol,
+            staging=os.path.join(base, "staging"),
+            staging_size=parse_size(args.staging_size),
+        )
+        try:
+            path = f"/seq-fsspec-{r}.bin"
+            view = data.next()
+            w, wc = timed_cpu(lambda: fsspec_write(fs, path, view))
+            t = time.perf_counter()
+            fs.volume.tier.flush()
+            res["fsspec_drain_s"] = round(time.perf_counter() - t, 2)
+            got: list[int] = []
+
+            def read() -> float:
+                secs, n = fsspec_read(fs, path)
+                got.append(n)
+                return secs
+
+            rd, rc = timed_cpu(read)
+        finally:
+            close_volumes()
+        assert got == [nbytes], f"read {got} of {nbytes} bytes"
+        res.update(fsspec_write_mbps=mbps(nbytes, w), fsspec_read_mbps=mbps(nbytes, rd))
+        res.update(fsspec_write_cpu_s=round(wc, 2), fsspec_read_cpu_s=round(rc, 2))
+
+    for fn in (mount, fsspec) if r % 2 == 0 else (fsspec, mount):
+        fn()
+    for k in ("write", "read"):
+        res[f"{k}_vs_mount"] = round(res[f"fsspec_{k}_mbps"] / res[f"mount_{k}_mbps"], 3)
+        res[f"{k}_vs_disk"] = round(res[f"fsspec_{k}_mbps"] / res[f"disk_{k}_mbps"], 3)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--size", type=int, default=1024, help="sequential test size, MiB")
+    ap.add_argument("--pairs", type=int, default=3, help="rounds of disk, mount and fsspec")
     ap.add_argument("--overhead-size", type=int, default=1024, help="MiB per overhead write")
     ap.add_argument("--rounds", type=int, default=3, help="overhead rounds (each: with, without)")
     ap.add_argument("--scrape-interval", type=float, default=1.0, metavar="SECONDS")
     ap.add_argument("--staging-size", default="16GiB")
     ap.add_argument("--no-overhead", action="store_true")
     args = ap.parse_args()
+    if args.pairs < 1 or args.size < 1:
+        ap.error("--pairs and --size must be at least 1")
 
     base = tempfile.mkdtemp(prefix="ckptfs-bench-fsspec-", dir=args.dir)
     env = dict(os.environ)
@@ -178,55 +263,21 @@ def main() -> int:
     staging = os.path.join(base, "staging")
     opts = ["--staging", staging, "--staging-size", args.staging_size, "--durability", "local"]
     out: dict = {"size_mib": args.size, "loadavg": [round(os.getloadavg()[0], 1)]}
-    mp, proc = os.path.join(base, "mnt"), None
     try:
-        from fusefs.cli.units import parse_size
-        from fusefs.client.registry import close_volumes
         from fusefs.client.volume import Volume
-        from fusefs.fsspec import CkptfsFileSystem
 
         vol = os.path.join(base, "vol")
         Volume.create(vol).close()
-        nbytes = args.size * MiB
-        data = Data(nbytes)
+        data = Data(args.size * MiB)
         out["cold_read_dropped_caches"] = drop_caches()
-
-        # the local disk
-        w_disk = seq_write(os.path.join(base, "disk.bin"), data.next())
-        r_disk = seq_read(os.path.join(base, "disk.bin"))
-        os.unlink(os.path.join(base, "disk.bin"))
-
-        # the mount
-        proc = mount_ckptfs(vol, mp, env, *opts)
-        w_mnt = seq_write(os.path.join(mp, "seq.bin"), data.next())
-        out["mount_drain_s"] = drain(mp)
-        r_mnt = seq_read(os.path.join(mp, "seq.bin"))
-        unmount(mp, proc)
-        proc = None
-
-        # fsspec, staging where the mount staged
-        fs = CkptfsFileSystem(
-            volume=vol, staging=staging, staging_size=parse_size(args.staging_size)
-        )
-        w_fss = fsspec_write(fs, "/seq-fsspec.bin", data.next())
-        t = time.perf_counter()
-        fs.volume.tier.flush()
-        out["fsspec_drain_s"] = round(time.perf_counter() - t, 2)
-        r_fss, n = fsspec_read(fs, "/seq-fsspec.bin")
-        assert n == nbytes, f"read {n} of {nbytes} bytes"
-        close_volumes()
-        out.update(
-            disk_write_mbps=mbps(nbytes, w_disk),
-            disk_read_mbps=mbps(nbytes, r_disk),
-            mount_write_mbps=mbps(nbytes, w_mnt),
-            mount_read_mbps=mbps(nbytes, r_mnt),
-            fsspec_write_mbps=mbps(nbytes, w_fss),
-            fsspec_read_mbps=mbps(nbytes, r_fss),
-            write_vs_mount=round(w_mnt / w_fss, 3),
-            read_vs_mount=round(r_mnt / r_fss, 3),
-            write_vs_disk=round(w_disk / w_fss, 3),
-            read_vs_disk=round(r_disk / r_fss, 3),
-        )
+        rounds = [one_round(args, r, vol, base, env, opts, data) for r in range(args.pairs)]
+        out["rounds"] = rounds
+        gib = args.size / 1024
+        for key in rounds[0]:
+            vals = [rd[key] for rd in rounds]
+            out[key] = round(statistics.median(vals), 3)
+            if key.endswith("_cpu_s"):
+                out[key.removesuffix("_s") + "_s_per_gib"] = round(out.pop(key) / gib, 2)
         if not args.no_overhead:
             out.update(overhead(args, vol, base, env, opts, data))
         out["loadavg"].append(round(os.getloadavg()[0], 1))
@@ -236,8 +287,6 @@ def main() -> int:
             "metrics_overhead": "<= 0.03",
         }
     finally:
-        if proc is not None:
-            unmount(mp, proc)
         shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(out))
     return 0

@@ -163,6 +163,21 @@ def test_a_failed_write_leaves_the_old_content(ckfs):
     assert not ckfs.exists("/failed/new")
 
 
+def test_a_filesystem_outlives_close_volumes(vol_dir):
+    """fsspec caches filesystem instances: one made before close_volumes() (a teardown, an
+    atexit drain) reopens the volume on its next use instead of failing on a closed one."""
+    fs = CkptfsFileSystem(volume=vol_dir)
+    fs.pipe_file("/outlive/f", b"before")
+    first = fs.volume
+    close_volumes()
+    again = CkptfsFileSystem(volume=vol_dir)
+    assert again is fs  # fsspec's instance cache
+    assert again.cat_file("/outlive/f") == b"before"
+    again.pipe_file("/outlive/g", b"after")
+    assert fs.volume is not first
+    assert fs.cat_file("/outlive/g") == b"after"
+
+
 def test_copy_shares_chunks_and_checksums_follow_content(ckfs):
     data = os.urandom(5 * CHUNK + 123)
     ckfs.pipe_file("/cp/src", data)

@@ -87,10 +87,16 @@ class CkptfsFileSystem(AbstractFileSystem):
                 from fusefs.client.defaults import ensure_default_volume
 
                 spec = ensure_default_volume()
-            self.volume: Volume = volume_for(
-                spec, tier_spec(staging, durability, staging_size), token=token
-            )
-        self.blocksize = self.volume.settings.chunk_size
+            self._opened = (spec, tier_spec(staging, durability, staging_size), token)
+            self.blocksize = self.volume.settings.chunk_size
+
+    @property
+    def volume(self) -> Volume:
+        """The process's volume for this target, from the registry on every use: fsspec
+        keeps filesystem instances across calls, and one made before `close_volumes()` (a
+        test's teardown, a fork) reopens its volume instead of holding a closed one."""
+        spec, tier, token = self._opened
+        return volume_for(spec, tier, token=token)
 
     # -- paths -----------------------------------------------------------------------------
     @classmethod
