@@ -136,3 +136,24 @@ def test_the_storing_floor_reports_a_failed_write_at_fsync(tmp_path, monkeypatch
         await fs.fsync(fi.fh, False)  # reported once
 
     trio.run(run)
+
+
+def test_the_parallel_read_floor_reads_every_byte_and_reports_medians(tmp_path):
+    """bench.floorread end to end on small files: every round read all readers' bytes on
+    both sides (it raises otherwise), and the ratio is the median of the rounds'."""
+    import json
+    import statistics
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.floorread", "--readers", "3", "--size-mib", "4",
+         "--rounds", "3", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["disk_mbps"]) == len(out["floor_mbps"]) == 3
+    assert all(x > 0 for x in out["disk_mbps"] + out["floor_mbps"])
+    ratios = [f / d for f, d in zip(out["floor_mbps"], out["disk_mbps"], strict=True)]
+    assert out["floor_vs_disk"] == round(statistics.median(ratios), 3)
+    assert os.listdir(tmp_path) == []
