@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -287,12 +286,6 @@ def _stats(vol: str) -> dict:
     return json.loads(out.stdout)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir)")
@@ -315,6 +308,7 @@ def main() -> int:
     if not 1 <= args.rounds <= 9:
         ap.error("--rounds must be 1..9")
     sys.path.insert(0, ROOT)
+    from bench.servers import free_port
     from fusefs.cli.units import parse_size
     from fusefs.client.volume import Volume
 
@@ -353,7 +347,7 @@ def main() -> int:
                 time.sleep(0.1)
             if os.path.ismount(mnt):
                 cfg["mount"] = mnt
-        port = str(_free_port())
+        port = str(free_port())
         env = dict(
             os.environ,
             WORLD_SIZE=str(args.ranks),

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.common import drop_caches  # noqa: E402
+from bench.common import UniqueBlocks, disk_write, drop_caches  # noqa: E402
 from bench.fuse import mount_floor, unmount  # noqa: E402
 
 MiB = 2**20
@@ -78,12 +78,9 @@ def main() -> int:
     try:
         disk = [os.path.join(base, f"disk-{i}") for i in range(args.readers)]
         floor = [os.path.join(fmp, f"floor-{i}") for i in range(args.readers)]
+        blocks = UniqueBlocks()
         for path in disk + floor:
-            with open(path, "wb") as f:
-                for _ in range(args.size_mib):
-                    f.write(os.urandom(MiB))
-                f.flush()
-                os.fsync(f.fileno())
+            disk_write(path, blocks.pieces(size))
         out: dict = {"readers": args.readers, "size_mib": args.size_mib, "disk_mbps": [],
                      "floor_mbps": []}  # fmt: skip
         for r in range(args.rounds):

@@ -38,6 +38,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -46,13 +48,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.common import cpu_s, drop_caches  # noqa: E402
-from bench.fuse import drain, mount_ckptfs, seq_read, seq_write, unmount  # noqa: E402
+from bench.fuse import drain, mbps, mount_ckptfs, seq_read, seq_write, unmount  # noqa: E402
+from bench.servers import free_port  # noqa: E402
 
 MiB = 2**20
-
-
-def mbps(nbytes: int, secs: float) -> float:
-    return round(nbytes / MiB / secs, 1)
+T = TypeVar("T")
 
 
 class Data:
@@ -120,14 +120,6 @@ def written_bytes(page: str) -> float:
     return -1.0
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def overhead(args, vol: str, base: str, env: dict, opts: list[str], data: Data) -> dict:
     """The mount's write throughput with a scraped --metrics endpoint and without."""
     nbytes = args.overhead_size * MiB
@@ -166,15 +158,15 @@ def overhead(args, vol: str, base: str, env: dict, opts: list[str], data: Data) 
     }
 
 
-def timed_cpu(fn, *pids: int) -> tuple[float, float]:
-    """(seconds, CPU seconds of this process and of `pids`) of fn()."""
+def timed_cpu(fn: Callable[[], T], *pids: int) -> tuple[T, float]:
+    """fn()'s result and the CPU seconds it cost this process and `pids`."""
 
     def cpu() -> float:
         return time.process_time() + sum(cpu_s(p) for p in pids)
 
     c = cpu()
-    secs = fn()
-    return secs, cpu() - c
+    got = fn()
+    return got, cpu() - c
 
 
 def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], data: Data) -> dict:
@@ -218,17 +210,10 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
             t = time.perf_counter()
             fs.volume.tier.flush()
             res["fsspec_drain_s"] = round(time.perf_counter() - t, 2)
-            got: list[int] = []
-
-            def read() -> float:
-                secs, n = fsspec_read(fs, path)
-                got.append(n)
-                return secs
-
-            rd, rc = timed_cpu(read)
+            (rd, n), rc = timed_cpu(lambda: fsspec_read(fs, path))
         finally:
             close_volumes()
-        assert got == [nbytes], f"read {got} of {nbytes} bytes"
+        assert n == nbytes, f"read {n} of {nbytes} bytes"
         res.update(fsspec_write_mbps=mbps(nbytes, w), fsspec_read_mbps=mbps(nbytes, rd))
         res.update(fsspec_write_cpu_s=round(wc, 2), fsspec_read_cpu_s=round(rc, 2))
 

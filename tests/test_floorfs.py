@@ -5,7 +5,9 @@ must keep sizes."""
 from __future__ import annotations
 
 import errno
+import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -141,8 +143,6 @@ def test_the_storing_floor_reports_a_failed_write_at_fsync(tmp_path, monkeypatch
 def test_the_parallel_read_floor_reads_every_byte_and_reports_medians(tmp_path):
     """bench.floorread end to end on small files: every round read all readers' bytes on
     both sides (it raises otherwise), and the ratio is the median of the rounds'."""
-    import json
-    import statistics
 
     proc = subprocess.run(
         [sys.executable, "-m", "bench.floorread", "--readers", "3", "--size-mib", "4",

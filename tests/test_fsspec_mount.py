@@ -4,7 +4,11 @@ writes reads back identically through a real FUSE mount of the volume and throug
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
+import subprocess
+import sys
 
 import fsspec
 
@@ -46,10 +50,6 @@ def test_the_fsspec_benchmark_alternates_its_rounds_and_reports_their_medians(tm
     """bench.fsspec end to end on a small size: every round measured all three (disk,
     mount, fsspec), the reported ratios are the medians of the rounds', and the CPU per
     GiB is there for both frontends."""
-    import json
-    import statistics
-    import subprocess
-    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root)
