@@ -18,18 +18,22 @@ an operator opens.
 from __future__ import annotations
 
 import errno
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -296,10 +300,38 @@ class _Info(Collector):
         yield g
 
 
+class _ScrapeCost(Collector):
+    """What answering scrapes cost this process: the CPU time of the endpoint's request
+    threads, parsing, collecting, formatting and sending (`thread_time`, so time spent
+    waiting for the GIL is not counted, and time holding it is). A scrape stalls the
+    daemon's own threads for at most that long, so it bounds what the endpoint costs."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.scrapes = 0
+        self._lock = threading.Lock()
+
+    def add(self, cpu_s: float) -> None:
+        with self._lock:
+            self.cpu_s += cpu_s
+            self.scrapes += 1
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield _counter("metrics_scrapes", "Scrapes answered before this one", self.scrapes)
+        yield _counter(
+            "metrics_scrape_cpu_seconds",
+            "CPU seconds the endpoint's threads spent answering the scrapes before this one",
+            self.cpu_s,
+        )
+
+
 class MetricsServer:
-    """The /metrics endpoint: an HTTP server in a daemon thread (prometheus_client's),
-    over a registry of its own (the default one would add Python collectors under names
-    that are not ckptfs_*; the process collector here is namespaced)."""
+    """The /metrics endpoint: prometheus_client's WSGI app in a threading HTTP server in a
+    daemon thread, over a registry of its own (the default one would add Python collectors
+    under names that are not ckptfs_*; the process collector here is namespaced)."""
 
     def __init__(self, host: str, port: int, component: str, collectors: Iterable[Collector]):
         self.registry = CollectorRegistry(auto_describe=False)
@@ -307,13 +339,19 @@ class MetricsServer:
         for c in collectors:
             self.registry.register(c)
         ProcessCollector(namespace="ckptfs", registry=self.registry)
+        self.cost = _ScrapeCost()
+        self.registry.register(self.cost)
         try:
-            self._httpd, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._httpd = _serve(host, port, make_wsgi_app(self.registry), self.cost)
         except OSError as e:
             why = e.strerror or str(e)
             if e.errno == errno.EADDRINUSE:
                 why = "the port is taken (another process listens there)"
             raise MetricsError(f"cannot serve metrics on {host}:{port}: {why}") from None
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="ckptfs-metrics", daemon=True
+        )
+        self._thread.start()
         self.host = host
         self.port = self._httpd.server_address[1]
 
@@ -325,6 +363,27 @@ class MetricsServer:
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+def _serve(host: str, port: int, app: Any, cost: _ScrapeCost) -> ThreadingWSGIServer:
+    """A bound threading WSGI server for `app` whose request threads add their CPU time
+    to `cost` and log nothing (a scrape a second would flood stderr)."""
+
+    class Handler(WSGIRequestHandler):
+        def handle(self) -> None:
+            t = time.thread_time()
+            try:
+                super().handle()
+            finally:
+                cost.add(time.thread_time() - t)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+
+    return make_server(host, port, app, Server, handler_class=Handler)
 
 
 def serve_mount_metrics(listen: tuple[str, int]) -> tuple[MetricsServer, MountCollector]:

@@ -48,14 +48,17 @@ def test_fsspec_write_reads_back_through_the_mount_and_get(
 
 def test_the_fsspec_benchmark_alternates_its_rounds_and_reports_their_medians(tmp_path):
     """bench.fsspec end to end on a small size: every round measured all three (disk,
-    mount, fsspec), the reported ratios are the medians of the rounds', and the CPU per
-    GiB is there for both frontends."""
+    mount, fsspec), the reported ratios are the medians of the rounds', the CPU per GiB
+    is there for both frontends, and the metrics overhead is the scraped daemon's own
+    count of its endpoint's CPU over the write's time. The tier's RAM scratch is removed."""
+    shm_before = set(os.listdir("/dev/shm"))
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root)
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.fsspec", "--size", "8", "--pairs", "3", "--no-overhead",
-         "--staging-size", "1GiB", "--dir", str(tmp_path)],
+        [sys.executable, "-m", "bench.fsspec", "--size", "8", "--pairs", "3",
+         "--overhead-size", "8", "--rounds", "1", "--staging-size", "1GiB",
+         "--dir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, cwd=root, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -69,4 +72,9 @@ def test_the_fsspec_benchmark_alternates_its_rounds_and_reports_their_medians(tm
     for k in ("write_vs_mount", "read_vs_mount"):
         assert out[k] == round(statistics.median(r[k] for r in rounds), 3)
     assert out["fsspec_write_cpu_s_per_gib"] > 0 and out["mount_read_cpu_s_per_gib"] > 0
-    assert os.listdir(tmp_path) == []  # the scratch directory is removed
+    assert out["staging_fs"] == "tmpfs"
+    assert out["overhead_scrapes"] >= 1 and out["overhead_scrape_cpu_ms"] > 0
+    assert out["metrics_overhead"] == max(out["metrics_overhead_rounds"]) > 0
+    assert out["overhead_scraped_written_bytes"] >= 8 * 2**20
+    assert os.listdir(tmp_path) == []  # the scratch directories are removed
+    assert set(os.listdir("/dev/shm")) <= shm_before

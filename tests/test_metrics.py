@@ -75,6 +75,10 @@ def test_mount_metrics_count_writes_and_tier_drains_after_flush(new_volume, moun
     assert value(after, "ckptfs_node_errors_total", node="n0") == 0
     assert value(after, "ckptfs_node_breaker_open", node="n0") == 0
     assert any(k[0] == "ckptfs_info" and ("component", "mount") in k[1] for k in after)
+    # the endpoint counts what answering cost: a scrape once its reply is sent (the first
+    # surely is by now; the second's thread may still be finishing)
+    assert value(after, "ckptfs_metrics_scrapes_total") >= 1
+    assert 0 < value(after, "ckptfs_metrics_scrape_cpu_seconds_total") < 5
     # bounded labels: no path, no chunk id, nothing but the known label names
     names = {k for (_, labels) in after for k, _ in labels}
     assert names <= {"op", "where", "node", "component", "version", "le"}, names
@@ -175,7 +179,13 @@ def _every_family() -> dict[str, str]:
     from types import SimpleNamespace
 
     from chunkstore.health import NodeHealth
-    from fusefs.metrics import MountCollector, ServiceCollector, VolumeCollector, _Info
+    from fusefs.metrics import (
+        MountCollector,
+        ServiceCollector,
+        VolumeCollector,
+        _Info,
+        _ScrapeCost,
+    )
     from metadata.servicestats import ServiceStats
 
     fs = SimpleNamespace(
@@ -209,7 +219,9 @@ def _every_family() -> dict[str, str]:
     mount = MountCollector()
     mount.attach(fs)
     out = {}
-    for c in (mount, VolumeCollector(lambda: [vol]), ServiceCollector(svc), _Info("mount")):
+    collectors = (mount, VolumeCollector(lambda: [vol]), ServiceCollector(svc), _Info("mount"),
+                  _ScrapeCost())  # fmt: skip
+    for c in collectors:
         for fam in c.collect():
             out[fam.name] = fam.type
     return out
