@@ -71,6 +71,7 @@ class StepRecord:
     save_hosts: list[dict] = field(default_factory=list)  # each host's phase times
     load_hosts: list[dict] = field(default_factory=list)
     cpu: dict = field(default_factory=dict)  # CPU seconds: save/load x client/service
+    uploaded: dict = field(default_factory=dict)  # bytes the tiers uploaded during save/load
 
 
 class Workers:
@@ -482,6 +483,7 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
     rec.save = sorted((r for p in parts for r in p["ranks"]), key=lambda r: r["rank"])
     rec.save_hosts = [h for p in parts for h in p["hosts"]]
     rec.cpu["save_client_s"] = sum(p["cpu_s"] for p in parts)
+    rec.uploaded["save"] = sum(p.get("uploaded_bytes", 0) for p in parts)
     wait = deadline + 60
     if any(r.get("error") and not r.get("killed") for r in rec.save):
         wait = min(wait, 10.0)  # a rank that failed never commits: the step cannot publish
@@ -507,6 +509,7 @@ def _load_step(cfg, env, workers, rec: StepRecord, show: bool, label: str = "") 
     rec.load = sorted((r for p in parts for r in p["ranks"]), key=lambda r: r["rank"])
     rec.load_hosts = [h for p in parts for h in p["hosts"]]
     rec.cpu["load_client_s"] = sum(p["cpu_s"] for p in parts)
+    rec.uploaded["load"] = sum(p.get("uploaded_bytes", 0) for p in parts)
     rec.cpu["load_service_s"] = env.service_cpu() - svc0
 
 

@@ -134,6 +134,9 @@ def step_summary(rec, cfg) -> dict:
         "load_breakdown": breakdown(rec.load_hosts, rec.load_start, load_s),
         **_per_rank_ms(rec.cpu, "save", len(saved)),
         **_per_rank_ms(rec.cpu, "load", len(loaded)),
+        # the tiers' background uploads that ran inside the phase (sharing its CPU and disk)
+        "uploaded_mib_during_save": _r(rec.uploaded.get("save", 0) / 2**20, 1),
+        "uploaded_mib_during_load": _r(rec.uploaded.get("load", 0) / 2**20, 1),
     }
 
 

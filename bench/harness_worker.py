@@ -513,17 +513,17 @@ async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -
                 return
             await trio.sleep(PROGRESS_EVERY)
 
-    cpu0 = _cpu()
+    cpu0, up0 = _cpu(), _uploaded(st)
     with trio.move_on_after(max(1.0, start - time.time()) + st.cfg["phase_timeout"]):
         await trio.sleep(max(0.0, start - time.time()))
-        cpu0 = _cpu()
+        cpu0, up0 = _cpu(), _uploaded(st)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(progress, nursery.cancel_scope)
             async with trio.open_nursery() as ranks:
                 for h in st.hosts:
                     ranks.start_soon(fn, st, h, step, start, out, hosts)
             await trio.sleep(10)  # the progress task ends the scope after its last report
-    cpu = _cpu() - cpu0
+    cpu, uploaded = _cpu() - cpu0, _uploaded(st) - up0
     done = {r["rank"] for r in out}
     for h in st.hosts:  # a rank still running at the phase timeout is a failure, recorded
         for rank in h.ranks:
@@ -541,7 +541,12 @@ async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -
                         "bytes": 0,
                     }
                 )
-    return {"ranks": out, "hosts": hosts, "cpu_s": cpu}
+    return {"ranks": out, "hosts": hosts, "cpu_s": cpu, "uploaded_bytes": uploaded}
+
+
+def _uploaded(st: WorkerState) -> int:
+    """Bytes this process's tiers uploaded so far: uploads during a phase share its CPU."""
+    return sum(h.vol.tier.uploaded_bytes for h in st.hosts if h.vol.tier is not None)
 
 
 def _cpu() -> float:
