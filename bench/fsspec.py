@@ -7,34 +7,37 @@ run; one JSON object.
   frontends stage in the same write-behind directory (durability local); after each
   write the tier is drained (untimed) so its upload slows no later phase, and each timed
   phase starts after a sync(). Every phase writes different bytes (dedup would skip them).
-- Where the tier stages (`--tier`): the tier is built for a host's local NVMe, which
-  takes writes faster than either frontend makes them, so by default it stages on a RAM
-  disk (/dev/shm) standing in for one: what the frontends themselves cost then decides
-  the ratios. `--tier disk` stages on this VM's disk (250-450 MB/s with fsync), slower
-  than either frontend: there both wait on it and the ratio is the disk's minute-to-minute
-  swing (docs/benchmark-history.md has runs of both). The object nodes are on the disk
-  either way; `staging_fs` says what the tier wrote to.
-- `--pairs` rounds (3 by default), each measuring the disk, the mount and fsspec back to
+- Where the tier stages (`--tier`, both by default, one after the other): `ram` stages
+  on a RAM disk (/dev/shm), standing in for the host-local NVMe the tier is built for,
+  which takes writes faster than either frontend makes them: what the frontends
+  themselves cost then decides the ratios (NVMe itself is not measured: on tmpfs an
+  fsync is free and the tier's read cache is RAM, so those reads are not cold). `disk`
+  stages on this VM's disk (300-450 MB/s with fsync), slower than either frontend: both
+  wait on it, and the ratio mostly follows its minute-to-minute swings. The object nodes
+  are on the disk either way. The top-level `write_vs_mount` and `read_vs_mount` are the
+  worse of the tiers' medians; `tiers` has each tier's medians and every round. The
+  tier's read cache is emptied between rounds, so every round starts alike.
+- `--pairs` rounds (4 by default), each measuring the disk, the mount and fsspec back to
   back, alternating whether the mount or fsspec goes first, so no frontend always gets
-  the quieter minute. The ratios are the medians of the rounds' ratios; every round is
-  in `rounds`. `*_cpu_s_per_gib` is the CPU the work cost (fsspec: its process; the
-  mount: its daemon plus the writing or reading process).
+  the quieter minute. A tier's ratios are the medians of its rounds' ratios.
+  `*_cpu_s_per_gib` is the CPU the work cost (fsspec: its process; the mount: its daemon
+  plus the writing or reading process).
   Targets: write_vs_mount >= 1.0 and read_vs_mount >= 1.0 (fsspec throughput over the
   mount's: no FUSE crossing in the way).
-- metrics_overhead: what serving `--metrics` costs the mount's writes. The counters are
-  kept whether or not the endpoint runs (an integer add on the hot paths), so the
+- metrics_overhead: what serving `--metrics` costs the mount's writes (measured with the
+  tier on RAM when that tier runs: the disk's swings are 10-20% a round). The counters
+  are kept whether or not the endpoint runs (an integer add on the hot paths), so the
   endpoint's cost is its scrapes: while a mount with `--metrics` writes `--overhead-size`
   MiB, /metrics is scraped every `--scrape-interval` s (1 s; Prometheus' default is 15).
-  The daemon counts the CPU time its endpoint threads spent answering
-  (`ckptfs_metrics_scrape_cpu_seconds_total`); a Python thread holds the GIL for no
-  longer than it runs, so a scrape stalls the mount's own threads for at most that long,
-  and `metrics_overhead` = that CPU time / the write's time, the worst of `--rounds`
-  writes, bounds the share of throughput lost. Target <= 0.03. `overhead_scrape_ms` is
-  the scrapes' wall time as the scraper saw it (GIL waits included).
-  `metrics_overhead_ab` is the direct comparison, 1 - median(with) / median(without)
-  over the same rounds alternating with writes by a mount without the endpoint: the
-  honest figure in principle, but the rounds' own spread (10-20% here) is far above 3%,
-  so it is reported, not judged.
+  The daemon counts the CPU time its endpoint's request threads spent
+  (`ckptfs_metrics_scrape_cpu_seconds_total`); `metrics_overhead` is that CPU time over
+  the write's time, the worst of `--rounds` writes: an estimate of the throughput lost,
+  not a bound (a thread can hold the GIL, or a lock, while descheduled; the accept loop
+  and the scraper's own CPU are not counted). So the estimate is checked where a loss
+  is big enough to see: `amplified` repeats the with/without writes scraping every
+  `--amplified-interval` s (0.02), and compares the measured loss (1 - median(with) /
+  median(without), alternating) with the CPU share predicted the same way.
+  `metrics_overhead_ab` is that direct comparison at the normal rate: within the noise.
 
 The machine is shared and noisy: the baselines are measured in the same run, and
 `loadavg` says how busy it was.
@@ -46,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -114,23 +118,31 @@ class Scraper(threading.Thread):
         self.interval = interval
         self.stop = threading.Event()
         self.scrape_s: list[float] = []  # each scrape's wall time, request to last byte
+        self.error: BaseException | None = None
 
     def run(self) -> None:
-        while True:  # at least one scrape, however short the write
-            t = time.perf_counter()
-            with urllib.request.urlopen(self.url, timeout=10) as r:
-                r.read()
-            self.scrape_s.append(time.perf_counter() - t)
-            if self.stop.wait(self.interval):
-                return
+        try:
+            while True:  # at least one scrape, however short the write
+                t = time.perf_counter()
+                with urllib.request.urlopen(self.url, timeout=10) as r:
+                    r.read()
+                self.scrape_s.append(time.perf_counter() - t)
+                if self.stop.wait(self.interval):
+                    return
+        except BaseException as e:  # noqa: BLE001 - re-raised by finish()
+            self.error = e
 
-    def final_page(self) -> str:
-        """/metrics once the daemon counted every earlier scrape (it counts one after
-        sending its reply): what the endpoint cost, read by one more scrape."""
-        for _ in range(100):
+    def finish(self) -> str:
+        """Stop, and return /metrics once the daemon counted every scrape before it (it
+        counts one after sending its reply; the tries here count too)."""
+        self.stop.set()
+        self.join()
+        if self.error is not None:
+            raise RuntimeError(f"scraping {self.url} failed: {self.error}")
+        for attempt in range(100):
             with urllib.request.urlopen(self.url, timeout=10) as r:
                 page = r.read().decode()
-            if sample(page, "ckptfs_metrics_scrapes_total") >= len(self.scrape_s):
+            if sample(page, "ckptfs_metrics_scrapes_total") >= len(self.scrape_s) + attempt:
                 return page
             time.sleep(0.01)
         raise RuntimeError("the metrics endpoint did not count its scrapes")
@@ -147,9 +159,11 @@ def sample(page: str, name: str, **labels: str) -> float:
     return -1.0
 
 
-def overhead(args, vol: str, base: str, env: dict, opts: list[str], data: Data) -> dict:
-    """The endpoint's cost to the mount's writes: the scrapes' share of a write's time with
-    --metrics scraped (the bound), and with-vs-without throughput (the noisy A/B)."""
+def overhead_rounds(
+    args, vol: str, base: str, env: dict, opts: list[str], data: Data, interval: float
+) -> dict:
+    """`--rounds` pairs of mount writes, with --metrics scraped every `interval` s and
+    without, alternating which goes first: throughputs, and the endpoint's CPU share."""
     nbytes = args.overhead_size * MiB
     runs: dict[str, list[float]] = {"with": [], "without": []}
     shares: list[float] = []  # the endpoint's CPU over the write's time, per round
@@ -162,17 +176,16 @@ def overhead(args, vol: str, base: str, env: dict, opts: list[str], data: Data) 
             mp = os.path.join(base, f"mnt-{kind}")
             port = free_port()
             extra = ["--metrics", f"127.0.0.1:{port}"] if kind == "with" else []
+            clear_cache(opts[1])
             proc = mount_ckptfs(vol, mp, env, *opts, *extra)
             try:
-                scraper = Scraper(port, args.scrape_interval) if kind == "with" else None
+                scraper = Scraper(port, interval) if kind == "with" else None
                 if scraper is not None:
                     scraper.start()
                 secs = seq_write(os.path.join(mp, f"ovh-{r}-{kind}"), data.next()[:nbytes])
                 runs[kind].append(mbps(nbytes, secs))
                 if scraper is not None:
-                    scraper.stop.set()
-                    scraper.join()
-                    page = scraper.final_page()
+                    page = scraper.finish()
                     counted = sample(page, "ckptfs_fuse_bytes_total", op="write")
                     cpu = sample(page, "ckptfs_metrics_scrape_cpu_seconds_total")
                     shares.append(cpu / secs)
@@ -181,35 +194,59 @@ def overhead(args, vol: str, base: str, env: dict, opts: list[str], data: Data) 
                 drain(mp)
             finally:
                 unmount(mp, proc)
-    ab = 1 - statistics.median(runs["with"]) / statistics.median(runs["without"])
     return {
-        "metrics_overhead": round(max(shares), 4),
-        "metrics_overhead_rounds": [round(x, 4) for x in shares],
-        "metrics_overhead_ab": round(ab, 4),
-        "overhead_write_mbps": runs,
-        "overhead_size_mib": args.overhead_size,
-        "overhead_scrapes": len(scrape_s),
-        "overhead_scrape_ms": {
+        "interval_s": interval,
+        "cpu_share_rounds": [round(x, 4) for x in shares],
+        "loss_ab": round(
+            1 - statistics.median(runs["with"]) / statistics.median(runs["without"]), 4
+        ),
+        "write_mbps": runs,
+        "scrapes": len(scrape_s),
+        "scrape_ms": {
             "median": round(statistics.median(scrape_s) * 1e3, 2),
             "max": round(max(scrape_s) * 1e3, 2),
         },
-        "overhead_scrape_cpu_ms": round(statistics.median(cpu_s) * 1e3, 2),
-        "overhead_scraped_written_bytes": counted,
+        "scrape_cpu_ms": round(statistics.median(cpu_s) * 1e3, 2),
+        "scraped_written_bytes": counted,
     }
 
 
-def ram_scratch(args) -> str:
-    """A scratch directory on /dev/shm for the tier, refused (one line) when there is no
-    such tmpfs or it has no room for the staging budget."""
-    from fusefs.cli.units import parse_size
+def overhead(args, vol: str, base: str, env: dict, opts: list[str], data: Data) -> dict:
+    """The endpoint's cost at the normal scrape rate, and the amplified check of the
+    estimate (module docstring)."""
+    normal = overhead_rounds(args, vol, base, env, opts, data, args.scrape_interval)
+    amp = overhead_rounds(args, vol, base, env, opts, data, args.amplified_interval)
+    amp["cpu_share"] = round(statistics.median(amp["cpu_share_rounds"]), 4)
+    return {
+        "metrics_overhead": max(normal["cpu_share_rounds"]),
+        "metrics_overhead_ab": normal["loss_ab"],
+        "overhead_size_mib": args.overhead_size,
+        "overhead": normal,
+        "amplified": amp,
+    }
 
-    need = parse_size(args.staging_size) + 2 * args.size * MiB
+
+def clear_cache(staging: str) -> None:
+    """Empty the tier's read cache (no process has the tier open): every round starts with
+    the same free space, whatever the rounds before it left there."""
+    cache = os.path.join(staging, "cache")
+    if os.path.isdir(cache):
+        for name in os.listdir(cache):
+            os.unlink(os.path.join(cache, name))
+
+
+RAM_PREFIX = "ckptfs-bench-fsspec-tier-"
+
+
+def ram_check(args) -> None:
+    """A scratch directory on /dev/shm for the tier, refused (one line) when there is no
+    such tmpfs or it has no room for a round (two writes: the cache is emptied between)."""
+    need = 2 * max(args.size, args.overhead_size) * MiB + 256 * MiB
     if fs_type("/dev/shm") != "tmpfs":
-        sys.exit("bench.fsspec: no tmpfs at /dev/shm for --tier ram; use --tier disk")
+        sys.exit("bench.fsspec: no tmpfs at /dev/shm for the RAM tier; use --tier disk")
     st = os.statvfs("/dev/shm")
     if st.f_bavail * st.f_frsize < need:
-        sys.exit(f"bench.fsspec: /dev/shm has less than {need >> 20} MiB free; use --tier disk")
-    return tempfile.mkdtemp(prefix="ckptfs-bench-fsspec-tier-", dir="/dev/shm")
+        sys.exit(f"bench.fsspec: /dev/shm has under {need >> 20} MiB free; use --tier disk")
 
 
 def fs_type(path: str) -> str:
@@ -246,7 +283,7 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
     nbytes = args.size * MiB
     res: dict = {}
     disk = os.path.join(base, "disk.bin")
-    res["disk_write_mbps"] = mbps(nbytes, seq_write(disk, data.next()))
+    res["disk_write_mbps"] = mbps(nbytes, seq_write(disk, data.next()[:nbytes]))
     res["disk_read_mbps"] = mbps(nbytes, seq_read(disk))
     os.unlink(disk)
 
@@ -255,7 +292,7 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
         proc = mount_ckptfs(vol, mp, env, *opts)
         try:
             path = os.path.join(mp, f"seq-{r}.bin")
-            view = data.next()
+            view = data.next()[:nbytes]
             w, wc = timed_cpu(lambda: seq_write(path, view), proc.pid)
             res["mount_drain_s"] = drain(mp)
             rd, rc = timed_cpu(lambda: seq_read(path), proc.pid)
@@ -267,12 +304,12 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
     def fsspec() -> None:
         fs = CkptfsFileSystem(
             volume=vol,
-            staging=opts[1],
+            staging=opts[1],  # the mount's --staging
             staging_size=parse_size(args.staging_size),
         )
         try:
             path = f"/seq-fsspec-{r}.bin"
-            view = data.next()
+            view = data.next()[:nbytes]
             w, wc = timed_cpu(lambda: fsspec_write(fs, path, view))
             t = time.perf_counter()
             fs.volume.tier.flush()
@@ -284,6 +321,7 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
         res.update(fsspec_write_mbps=mbps(nbytes, w), fsspec_read_mbps=mbps(nbytes, rd))
         res.update(fsspec_write_cpu_s=round(wc, 2), fsspec_read_cpu_s=round(rc, 2))
 
+    clear_cache(opts[1])
     for fn in (mount, fsspec) if r % 2 == 0 else (fsspec, mount):
         fn()
     for k in ("write", "read"):
@@ -292,52 +330,71 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
     return res
 
 
+def tier_rounds(args, name: str, tier_base: str, vol: str, base: str, env: dict, data: Data):
+    """`--pairs` rounds with the tier staging under `tier_base`: medians and every round."""
+    staging = os.path.join(tier_base, f"staging-{name}")
+    opts = ["--staging", staging, "--staging-size", args.staging_size, "--durability", "local"]
+    rounds = [one_round(args, r, vol, base, env, opts, data) for r in range(args.pairs)]
+    res: dict = {"staging_fs": fs_type(tier_base)}
+    gib = args.size / 1024
+    for key in rounds[0]:
+        res[key] = round(statistics.median(rd[key] for rd in rounds), 3)
+        if key.endswith("_cpu_s"):
+            res[key.removesuffix("_s") + "_s_per_gib"] = round(res.pop(key) / gib, 2)
+    res["rounds"] = rounds
+    return res, opts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--size", type=int, default=1024, help="sequential test size, MiB")
-    ap.add_argument("--pairs", type=int, default=3, help="rounds of disk, mount and fsspec")
+    ap.add_argument("--pairs", type=int, default=4, help="rounds of disk, mount and fsspec")
     ap.add_argument("--overhead-size", type=int, default=1024, help="MiB per overhead write")
-    ap.add_argument("--rounds", type=int, default=3, help="overhead rounds (each: with, without)")
+    ap.add_argument("--rounds", type=int, default=4, help="overhead rounds (each: with, without)")
     ap.add_argument("--scrape-interval", type=float, default=1.0, metavar="SECONDS")
-    ap.add_argument("--staging-size", default="4GiB")
-    ap.add_argument(
-        "--tier", choices=("ram", "disk"), default="ram", help="stage on a RAM disk (default)"
-    )
+    ap.add_argument("--amplified-interval", type=float, default=0.02, metavar="SECONDS")
+    ap.add_argument("--staging-size", default="16GiB")
+    ap.add_argument("--tier", choices=("both", "ram", "disk"), default="both")
     ap.add_argument("--no-overhead", action="store_true")
     args = ap.parse_args()
-    if args.pairs < 1 or args.size < 1:
-        ap.error("--pairs and --size must be at least 1")
+    if args.pairs < 1 or args.size < 1 or args.rounds < 1 or args.overhead_size < 1:
+        ap.error("--pairs, --size, --rounds and --overhead-size must be at least 1")
+    tiers = ("ram", "disk") if args.tier == "both" else (args.tier,)
+    if "ram" in tiers:
+        ram_check(args)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the scratch goes too
 
-    tier_base = ram_scratch(args) if args.tier == "ram" else None
-    base = tempfile.mkdtemp(prefix="ckptfs-bench-fsspec-", dir=args.dir)
-    tier_base = tier_base or base
-    env = dict(os.environ)
-    env["XDG_DATA_HOME"] = os.path.join(base, "xdg")
-    env["XDG_CACHE_HOME"] = os.path.join(base, "xdg-cache")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    os.environ.update(XDG_DATA_HOME=env["XDG_DATA_HOME"], XDG_CACHE_HOME=env["XDG_CACHE_HOME"])
-    staging = os.path.join(tier_base, "staging")
-    opts = ["--staging", staging, "--staging-size", args.staging_size, "--durability", "local"]
     out: dict = {"size_mib": args.size, "loadavg": [round(os.getloadavg()[0], 1)]}
-    out["staging_fs"] = fs_type(tier_base)
+    base = ram = None
     try:
+        base = tempfile.mkdtemp(prefix="ckptfs-bench-fsspec-", dir=args.dir)
+        if "ram" in tiers:
+            ram = tempfile.mkdtemp(prefix=RAM_PREFIX, dir="/dev/shm")
+        env = dict(os.environ)
+        env["XDG_DATA_HOME"] = os.path.join(base, "xdg")
+        env["XDG_CACHE_HOME"] = os.path.join(base, "xdg-cache")
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        os.environ.update(XDG_DATA_HOME=env["XDG_DATA_HOME"], XDG_CACHE_HOME=env["XDG_CACHE_HOME"])
         from fusefs.client.volume import Volume
 
         vol = os.path.join(base, "vol")
         Volume.create(vol).close()
-        data = Data(args.size * MiB)
+        data = Data(max(args.size, args.overhead_size) * MiB)
         out["cold_read_dropped_caches"] = drop_caches()
-        rounds = [one_round(args, r, vol, base, env, opts, data) for r in range(args.pairs)]
-        out["rounds"] = rounds
-        gib = args.size / 1024
-        for key in rounds[0]:
-            vals = [rd[key] for rd in rounds]
-            out[key] = round(statistics.median(vals), 3)
-            if key.endswith("_cpu_s"):
-                out[key.removesuffix("_s") + "_s_per_gib"] = round(out.pop(key) / gib, 2)
+        out["tiers"] = {}
+        overhead_opts = None
+        for name in tiers:
+            res, opts = tier_rounds(
+                args, name, ram if name == "ram" else base, vol, base, env, data
+            )
+            out["tiers"][name] = res
+            overhead_opts = overhead_opts or opts
+        for key in ("write_vs_mount", "read_vs_mount"):
+            out[key] = min(t[key] for t in out["tiers"].values())
         if not args.no_overhead:
-            out.update(overhead(args, vol, base, env, opts, data))
+            out["overhead_tier"] = tiers[0]
+            out.update(overhead(args, vol, base, env, overhead_opts, data))
         out["loadavg"].append(round(os.getloadavg()[0], 1))
         out["targets"] = {
             "write_vs_mount": ">= 1.0",
@@ -345,8 +402,9 @@ def main() -> int:
             "metrics_overhead": "<= 0.03",
         }
     finally:
-        shutil.rmtree(base, ignore_errors=True)
-        shutil.rmtree(tier_base, ignore_errors=True)
+        for d in (base, ram):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
     print(json.dumps(out))
     return 0
 

@@ -99,6 +99,7 @@ class Host:
     ranks: list[int]
     vol: Volume
     counted: dict[str, int] = field(default_factory=lambda: {"failovers": 0, "reconnects": 0})
+    uploaded_before: int = 0  # what the tiers this host closed (a resume reopens it) uploaded
 
 
 @dataclass
@@ -455,6 +456,8 @@ async def resume_host(
         host.counted[k] += int(getattr(host.vol.meta, k, 0) or 0)
     await trio.to_thread.run_sync(host.vol.close)  # the old process is gone first: the new
     t = time.perf_counter()  # tier adopts its journal, as after a real restart
+    if host.vol.tier is not None:  # what the old tier uploaded, its close included
+        host.uploaded_before += host.vol.tier.uploaded_bytes
     try:
         host.vol = await trio.to_thread.run_sync(lambda: open_host(cfg, host.index, host.ranks).vol)
     except Exception as e:  # recorded for every rank of the host: the verdict fails
@@ -546,7 +549,10 @@ async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -
 
 def _uploaded(st: WorkerState) -> int:
     """Bytes this process's tiers uploaded so far: uploads during a phase share its CPU."""
-    return sum(h.vol.tier.uploaded_bytes for h in st.hosts if h.vol.tier is not None)
+    return sum(
+        h.uploaded_before + (h.vol.tier.uploaded_bytes if h.vol.tier is not None else 0)
+        for h in st.hosts
+    )
 
 
 def _cpu() -> float:

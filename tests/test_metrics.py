@@ -87,6 +87,41 @@ def test_mount_metrics_count_writes_and_tier_drains_after_flush(new_volume, moun
             assert "secret" not in v and len(v) < 40, v
 
 
+def test_the_endpoint_counts_what_each_scrape_cost_and_refuses_bad_addresses(capfd):
+    """The endpoint's own server: one count (and some CPU) per scrape once it is answered,
+    nothing logged per request, IPv6 literals bound as IPv6, and an address it cannot
+    serve on refused with one line (a name the IDNA codec rejects, an address this host
+    does not have: neither sends a packet)."""
+    from fusefs.metrics import MetricsError, MetricsServer
+
+    m = MetricsServer("127.0.0.1", 0, "test", [])
+    try:
+        for n in range(1, 4):
+            urllib.request.urlopen(m.url, timeout=10).read()
+            deadline = time.monotonic() + 10
+            while m.cost.scrapes < n and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert m.cost.scrapes == n  # the reply is sent before its thread counts it
+        samples = scrape(m.port)
+        assert value(samples, "ckptfs_metrics_scrapes_total") == 3
+        assert 0 < value(samples, "ckptfs_metrics_scrape_cpu_seconds_total") < 3
+    finally:
+        m.close()
+    assert capfd.readouterr().err == ""  # no access log
+    if socket.has_ipv6:
+        try:
+            m6 = MetricsServer("::1", 0, "test", [])
+        except MetricsError:
+            pass  # IPv6 disabled on this host
+        else:
+            assert m6._httpd.address_family == socket.AF_INET6
+            assert urllib.request.urlopen(m6.url, timeout=10).read()
+            m6.close()
+    for host in ("a" * 70 + ".example", "192.0.2.1"):
+        with pytest.raises(MetricsError, match="cannot serve metrics on"):
+            MetricsServer(host, 0, "test", [])
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_taken_metrics_port_fails_the_mount(new_volume, mount_env, tmp_path, background):
     vol = new_volume()
