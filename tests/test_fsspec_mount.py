@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import fsspec
+import pytest
 
 from fusefs.client.registry import close_volumes
 
@@ -87,7 +88,10 @@ def test_the_fsspec_benchmark_alternates_its_rounds_and_reports_their_medians(tm
         assert part["scrapes"] >= 2 and part["scrape_cpu_ms"] > 0
         assert len(part["cpu_share_rounds"]) == 2 and min(part["cpu_share_rounds"]) > 0
         assert part["scraped_written_bytes"] >= 8 * 2**20
-    assert out["metrics_overhead"] == max(out["overhead"]["cpu_share_rounds"])
+    share = max(out["overhead"]["cpu_share_rounds"])
+    assert out["metrics_overhead_cpu_share"] == share
+    scale = max(1.0, out["amplified"]["loss_over_cpu_share"])
+    assert out["metrics_overhead"] == pytest.approx(share * scale, abs=1e-4)
     assert out["amplified"]["interval_s"] < out["overhead"]["interval_s"]
     assert os.listdir(tmp_path) == []  # the scratch directories are removed
     assert ram_dirs() <= before

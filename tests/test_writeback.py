@@ -151,6 +151,53 @@ def test_journal_inline_records_carry_their_bytes_checksummed():
     assert parse_segment(bytes(huge)).torn
 
 
+def test_read_object_into_small_objects_in_one_read(tmp_path, monkeypatch):
+    """A chunk that fits one verify window is read with one preadv (header, payload, a byte
+    past the end): the same answers as the general path for a good, foreign, compressed,
+    torn or overlong object, and a short read falls back to the general path."""
+    from chunkstore import cache as cache_mod
+    from chunkstore.cache import read_object_into
+    from chunkstore.ids import chunk_id
+
+    raw = os.urandom(65536)
+    cid = chunk_id(raw, 7)
+    path = str(tmp_path / "obj")
+    good = codec.encode(raw, "none")
+    calls = []
+    real_preadv = os.preadv
+
+    def counting_preadv(fd, bufs, off):
+        calls.append(len(bufs))
+        return real_preadv(fd, bufs, off)
+
+    monkeypatch.setattr(cache_mod.os, "preadv", counting_preadv)
+    with open(path, "wb") as f:
+        f.write(good)
+    buf = bytearray(len(raw))
+    assert read_object_into(path, [memoryview(buf)], cid, 7) and buf == raw
+    assert calls == [3]  # header, payload and the byte past the end, together
+    with pytest.raises(codec.ChunkFormatError, match="chunk id"):
+        read_object_into(path, [memoryview(bytearray(len(raw)))], chunk_id(raw, 8), 7)
+    assert not read_object_into(path, [memoryview(bytearray(len(raw) - 1))], cid, 7)
+    for content in (good + b"x", good[:-1]):  # overlong, torn
+        with open(path, "wb") as f:
+            f.write(content)
+        assert not read_object_into(path, [memoryview(bytearray(len(raw)))], cid, 7)
+    zeros = bytes(len(raw))
+    with open(path, "wb") as f:
+        f.write(codec.encode(zeros, "zstd"))  # compressed: the decoding read's job
+    assert not read_object_into(path, [memoryview(bytearray(len(raw)))], chunk_id(zeros, 7), 7)
+    with open(path, "wb") as f:
+        f.write(good)
+
+    def short_preadv(fd, bufs, off):  # a filesystem that returns a few bytes at a time
+        return real_preadv(fd, [memoryview(bufs[0])[:7]], off)
+
+    monkeypatch.setattr(cache_mod.os, "preadv", short_preadv)
+    out = bytearray(len(raw))
+    assert read_object_into(path, [memoryview(out)], cid, 7) and out == raw
+
+
 def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path, monkeypatch):
     """The direct read used by DCP loads: the payload lands in the caller's views and is
     checked against the id; compressed, torn, foreign or missing objects are refused (False),
