@@ -12,7 +12,7 @@ run; one JSON object.
   which takes writes faster than either frontend makes them: what the frontends
   themselves cost then decides the ratios (NVMe itself is not measured: on tmpfs an
   fsync is free and the tier's read cache is RAM, so those reads are not cold). `disk`
-  stages on this VM's disk (300-450 MB/s with fsync), slower than either frontend: both
+  stages on this VM's disk (230-450 MB/s with fsync), slower than either frontend: both
   wait on it, and the ratio mostly follows its minute-to-minute swings. The object nodes
   are on the disk either way. The top-level `write_vs_mount` and `read_vs_mount` are the
   worse of the tiers' medians; `tiers` has each tier's medians and every round. The
