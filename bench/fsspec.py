@@ -161,8 +161,13 @@ def sample(page: str, name: str, **labels: str) -> float:
     return -1.0
 
 
+def tier_opts(args, staging: str) -> list[str]:
+    """The mount options that stage in `staging` (the fsspec side gets the same values)."""
+    return ["--staging", staging, "--staging-size", args.staging_size, "--durability", "local"]
+
+
 def overhead_rounds(
-    args, vol: str, base: str, env: dict, opts: list[str], data: Data, interval: float
+    args, vol: str, base: str, env: dict, staging: str, data: Data, interval: float
 ) -> dict:
     """`--rounds` pairs of mount writes, with --metrics scraped every `interval` s and
     without, alternating which goes first: throughputs, and the endpoint's CPU share."""
@@ -178,8 +183,8 @@ def overhead_rounds(
             mp = os.path.join(base, f"mnt-{kind}")
             port = free_port()
             extra = ["--metrics", f"127.0.0.1:{port}"] if kind == "with" else []
-            clear_cache(opts[1])
-            proc = mount_ckptfs(vol, mp, env, *opts, *extra)
+            clear_cache(staging)
+            proc = mount_ckptfs(vol, mp, env, *tier_opts(args, staging), *extra)
             try:
                 scraper = Scraper(port, interval) if kind == "with" else None
                 if scraper is not None:
@@ -213,11 +218,11 @@ def overhead_rounds(
     }
 
 
-def overhead(args, vol: str, base: str, env: dict, opts: list[str], data: Data) -> dict:
+def overhead(args, vol: str, base: str, env: dict, staging: str, data: Data) -> dict:
     """The endpoint's cost at the normal scrape rate, and the amplified check of the
     estimate (module docstring)."""
-    normal = overhead_rounds(args, vol, base, env, opts, data, args.scrape_interval)
-    amp = overhead_rounds(args, vol, base, env, opts, data, args.amplified_interval)
+    normal = overhead_rounds(args, vol, base, env, staging, data, args.scrape_interval)
+    amp = overhead_rounds(args, vol, base, env, staging, data, args.amplified_interval)
     amp["cpu_share"] = round(statistics.median(amp["cpu_share_rounds"]), 4)
     # How far the CPU share fell short of the loss where the loss is measurable; the
     # estimate at the normal rate is scaled up by that, never down.
@@ -280,7 +285,7 @@ def timed_cpu(fn: Callable[[], T], *pids: int) -> tuple[T, float]:
     return got, cpu() - c
 
 
-def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], data: Data) -> dict:
+def one_round(args, r: int, vol: str, base: str, env: dict, staging: str, data: Data) -> dict:
     """The disk, then the mount and fsspec (which first alternates with r): one sample of
     each, written, drained (untimed) and read cold."""
     from fusefs.cli.units import parse_size
@@ -296,7 +301,7 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
 
     def mount() -> None:
         mp = os.path.join(base, "mnt")
-        proc = mount_ckptfs(vol, mp, env, *opts)
+        proc = mount_ckptfs(vol, mp, env, *tier_opts(args, staging))
         try:
             path = os.path.join(mp, f"seq-{r}.bin")
             view = data.next()[:nbytes]
@@ -311,7 +316,7 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
     def fsspec() -> None:
         fs = CkptfsFileSystem(
             volume=vol,
-            staging=opts[1],  # the mount's --staging
+            staging=staging,
             staging_size=parse_size(args.staging_size),
         )
         try:
@@ -328,7 +333,7 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
         res.update(fsspec_write_mbps=mbps(nbytes, w), fsspec_read_mbps=mbps(nbytes, rd))
         res.update(fsspec_write_cpu_s=round(wc, 2), fsspec_read_cpu_s=round(rc, 2))
 
-    clear_cache(opts[1])
+    clear_cache(staging)
     for fn in (mount, fsspec) if r % 2 == 0 else (fsspec, mount):
         fn()
     for k in ("write", "read"):
@@ -340,8 +345,7 @@ def one_round(args, r: int, vol: str, base: str, env: dict, opts: list[str], dat
 def tier_rounds(args, name: str, tier_base: str, vol: str, base: str, env: dict, data: Data):
     """`--pairs` rounds with the tier staging under `tier_base`: medians and every round."""
     staging = os.path.join(tier_base, f"staging-{name}")
-    opts = ["--staging", staging, "--staging-size", args.staging_size, "--durability", "local"]
-    rounds = [one_round(args, r, vol, base, env, opts, data) for r in range(args.pairs)]
+    rounds = [one_round(args, r, vol, base, env, staging, data) for r in range(args.pairs)]
     res: dict = {"staging_fs": fs_type(tier_base)}
     gib = args.size / 1024
     for key in rounds[0]:
@@ -349,7 +353,7 @@ def tier_rounds(args, name: str, tier_base: str, vol: str, base: str, env: dict,
         if key.endswith("_cpu_s"):
             res[key.removesuffix("_s") + "_s_per_gib"] = round(res.pop(key) / gib, 2)
     res["rounds"] = rounds
-    return res, opts
+    return res, staging
 
 
 def main() -> int:
@@ -390,18 +394,18 @@ def main() -> int:
         data = Data(max(args.size, args.overhead_size) * MiB)
         out["cold_read_dropped_caches"] = drop_caches()
         out["tiers"] = {}
-        overhead_opts = None
+        stagings = []
         for name in tiers:
-            res, opts = tier_rounds(
+            res, staging = tier_rounds(
                 args, name, ram if name == "ram" else base, vol, base, env, data
             )
             out["tiers"][name] = res
-            overhead_opts = overhead_opts or opts
+            stagings.append(staging)
         for key in ("write_vs_mount", "read_vs_mount"):
             out[key] = min(t[key] for t in out["tiers"].values())
         if not args.no_overhead:
             out["overhead_tier"] = tiers[0]
-            out.update(overhead(args, vol, base, env, overhead_opts, data))
+            out.update(overhead(args, vol, base, env, stagings[0], data))
         out["loadavg"].append(round(os.getloadavg()[0], 1))
         out["targets"] = {
             "write_vs_mount": ">= 1.0",

@@ -101,15 +101,10 @@ def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int) -> bool:
         got = _read_small_into(fd, views[0], cid, seed)
         if got is not None:
             return got
-    head = os.pread(fd, codec.HEADER, 0)
-    try:
-        version, name, raw_len = codec.header_info(head)
-    except codec.ChunkFormatError:
-        return False
     total = sum(v.nbytes for v in views)
-    if name != "none" or version != codec.VERSION or raw_len != total:
+    if not _raw_of_length(os.pread(fd, codec.HEADER, 0), total):
         return False
-    if os.fstat(fd).st_size != codec.HEADER + raw_len:
+    if os.fstat(fd).st_size != codec.HEADER + total:
         return False
     h = id_hasher(seed)
     pos = codec.HEADER
@@ -139,19 +134,22 @@ def _read_small_into(fd: int, view: memoryview, cid: bytes, seed: int) -> bool |
     got = os.preadv(fd, [head, view, past], 0)
     if got < want:
         return None
-    if got > want:  # longer than its header can say: not a raw object of this length
-        return False
-    try:
-        version, name, raw_len = codec.header_info(bytes(head))
-    except codec.ChunkFormatError:
-        return False
-    if name != "none" or version != codec.VERSION or raw_len != view.nbytes:
+    if got > want or not _raw_of_length(head, view.nbytes):  # overlong, or not raw
         return False
     h = id_hasher(seed)
     h.update(view)
     if h.digest() != cid:
         raise codec.ChunkFormatError("content does not match its chunk id")
     return True
+
+
+def _raw_of_length(head: bytes | bytearray, total: int) -> bool:
+    """Whether an object's header announces an uncompressed payload of `total` bytes."""
+    try:
+        version, name, raw_len = codec.header_info(head)
+    except codec.ChunkFormatError:
+        return False
+    return name == "none" and version == codec.VERSION and raw_len == total
 
 
 class ChunkCache:
