@@ -21,7 +21,8 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from bench import netns
 from bench.common import cpu_s
@@ -34,6 +35,7 @@ from bench.servers.seaweed import WeedServer
 META_PORT = 7410  # a replica alone in its namespace
 PG_PORT = 5432
 NODE_STOP_GRACE = 2.0  # a rolling restart's SIGTERM grace before SIGKILL (weed's own is 15 s)
+TEARDOWN_WAIT = 30.0  # how long teardown waits for a running fault action (a restart)
 
 
 class Closing(HarnessError):
@@ -84,6 +86,8 @@ class Env:
         self.replica_lists = False
         self.closing = False
         self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)  # notified when a fault action ends
+        self._busy = 0  # fault actions running (teardown waits for them)
         os.makedirs(self.staging_root)
         os.makedirs(self.fault_dir)
         os.makedirs(self.log_dir)
@@ -317,6 +321,22 @@ class Env:
         if self.closing:
             raise Closing("the run is being torn down")
 
+    @contextmanager
+    def _action(self) -> Iterator[None]:
+        """One fault action on one component. Actions on different components run at
+        the same time: a replica restarting waits for the database, which another fault
+        is restarting, so no action may hold the lock while it waits. Teardown refuses new
+        actions and waits (bounded) for the running ones before it stops what they touch."""
+        with self._lock:
+            self._guard()
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+                self._idle.notify_all()
+
     def kill_node(self) -> None:
         """Node n0 dies: its SeaweedFS server is SIGKILLed, or its directory becomes a file."""
         with self._lock:
@@ -335,14 +355,13 @@ class Env:
 
     def kill_meta(self, i: int) -> None:
         """SIGKILL service replica i: no cleanup, the crash a service must survive."""
-        with self._lock:
-            self._guard()
+        with self._action():
             self.servers[i].kill()
 
     def start_meta(self, i: int) -> None:
-        """Replica i serves again, on the same address."""
-        with self._lock:
-            self._guard()
+        """Replica i serves again, on the same address (waiting for its database if that
+        is restarting too)."""
+        with self._action():
             try:
                 self.servers[i].restart()
             except ServerError as e:
@@ -377,27 +396,24 @@ class Env:
         """Maintenance of S3 node i: a clean stop (SIGKILL after a short grace), start,
         until it takes writes. Returns when it went down (time.time())."""
         w = self.weeds[i]
-        with self._lock:
-            self._guard()
+        with self._action():
             down = time.time()
             w.stop(timeout=NODE_STOP_GRACE)
             w.start()
-        try:
-            w.wait_ready()
-        except ServerError as e:
-            raise HarnessError(f"node n{i} did not come back: {e}") from None
+            try:
+                w.wait_ready()
+            except ServerError as e:
+                raise HarnessError(f"node n{i} did not come back: {e}") from None
         return down
 
     def stop_db(self) -> None:
         assert self.pg is not None
-        with self._lock:
-            self._guard()
+        with self._action():
             self.pg.stop_server("fast")
 
     def start_db(self) -> None:
         assert self.pg is not None
-        with self._lock:
-            self._guard()
+        with self._action():
             self.pg.start()
 
     # -- stop -----------------------------------------------------------------------------
@@ -405,6 +421,11 @@ class Env:
         """Stop and remove everything started; never raises (trouble goes to `problems`)."""
         with self._lock:
             self.closing = True
+            end = time.monotonic() + TEARDOWN_WAIT
+            while self._busy and time.monotonic() < end:
+                self._idle.wait(max(0.01, end - time.monotonic()))
+            if self._busy:
+                self.problems.append(f"{self._busy} fault action(s) still running at teardown")
 
         def step(what: str, fn: Callable[[], object]) -> None:
             try:

@@ -12,9 +12,10 @@ class EngineURLError(ValueError):
     """A metadata URL that names no engine, or a database that cannot be opened."""
 
 
-def open_engine(url: str, base_dir: str) -> MetaEngine:
+def open_engine(url: str, base_dir: str, wait_s: float = 0.0) -> MetaEngine:
     """The engine for a volume's metadata URL; relative SQLite paths resolve against
-    base_dir (the volume directory)."""
+    base_dir (the volume directory). `wait_s`: how long a database server that does not
+    answer yet is waited for (PostgreSQL; a service's start, not a one-shot command)."""
     if url.startswith("sqlite:"):
         import sqlite3
 
@@ -29,5 +30,5 @@ def open_engine(url: str, base_dir: str) -> MetaEngine:
     if url.startswith(("postgresql://", "postgres://")):
         from metadata.postgres import PostgresEngine
 
-        return PostgresEngine(url)
+        return PostgresEngine(url, wait_s)
     raise EngineURLError(f"unknown metadata engine URL {url!r}")

@@ -119,6 +119,26 @@ def _connect(url: str) -> psycopg.Connection:
     return conn
 
 
+def _transient(e: psycopg.Error) -> bool:
+    """An error that a database restart gives and that waiting cures: no server answered
+    (connection refused, no route) or one answered that it is starting up, shutting down,
+    recovering or full (SQLSTATE class 57 or 53300). A server that refuses for good (no
+    such database, a wrong password: libpq gives those as a FATAL message without a
+    SQLSTATE) is not waited for: the user would only wait for the same error."""
+    state = getattr(e, "sqlstate", None)
+    if state is not None:
+        return state.startswith("57") or state == "53300"
+    msg = str(e)
+    return "FATAL:" not in msg or any(w in msg for w in _PASSING)
+
+
+_PASSING = ("the database system is", "too many clients", "too many connections")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 class _Conn:
     """What sqlbase expects of a connection (execute() returning a cursor, executemany()),
     over a psycopg connection that is opened again when the database restarts.
@@ -130,14 +150,25 @@ class _Conn:
     retried request is applied once: its key or its digest is in the database
     (requests.py), so a COMMIT whose answer was lost is not applied twice."""
 
-    def __init__(self, url: str, in_tx: Any) -> None:
+    def __init__(self, url: str, in_tx: Any, wait_s: float = 0.0) -> None:
         self.url = url
         self._in_tx = in_tx
-        try:
-            self.conn = _connect(url)
-        except psycopg.Error as e:
-            raise MetaError(errno.EIO, f"cannot connect to PostgreSQL: {e}".strip()) from None
         self.reconnects = 0
+        deadline = time.monotonic() + wait_s
+        delay, said = 0.05, False
+        while True:
+            try:
+                self.conn = _connect(url)
+                break
+            except psycopg.Error as e:
+                if not _transient(e) or time.monotonic() >= deadline:
+                    why = f"cannot connect to PostgreSQL: {e}".strip()
+                    raise MetaError(errno.EIO, why) from None
+                if not said:  # a replica started while its database restarts: say so once
+                    log.warning("waiting up to %.0f s for PostgreSQL: %s", wait_s, _first_line(e))
+                    said = True
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     def execute(self, sql: str, args: Any = ()) -> psycopg.Cursor:
         try:
@@ -185,9 +216,12 @@ class _Conn:
 class PostgresEngine(SqlEngine):
     CHANGES_DDL = POSTGRES_DDL  # the change log's trigger is a plpgsql function here
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, wait_s: float = 0.0) -> None:
+        """`wait_s`: how long an unreachable database is waited for at the first connection
+        (a long-running service waits out a database restart; a one-shot command fails at
+        once). Afterwards every lost connection is waited for up to RECONNECT_WINDOW_S."""
         self.url = url
-        self._conn = _Conn(url, lambda: self._depth > 0)
+        self._conn = _Conn(url, lambda: self._depth > 0, wait_s)
         self._lock = threading.RLock()
         self._depth = 0
         self._qcache: dict[str, str] = {}

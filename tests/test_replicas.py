@@ -414,3 +414,59 @@ def test_a_deadlock_reruns_one_transaction_and_both_finish(tmp_path, pg_url):
     finally:
         e2.close()
         vol.close()
+
+
+def _serve(vol: str, db: str, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "fusefs.cli", "meta", "serve", vol, "--db", db,
+           "--listen", "127.0.0.1:0", *extra]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return done, time.monotonic() - t0
+
+
+def test_a_replica_started_while_its_database_restarts_waits_for_it(tmp_path):
+    """A replica started while PostgreSQL is down (a fleet brought up in any order, a
+    replica restarted during the database's restart) waits for the database and serves,
+    saying once what it waits for; --db-wait 0 and a database that does not exist fail
+    at once, in one line."""
+    from bench.servers.metaserve import MetaServer
+    from tests.fixtures.postgres import PgCluster
+
+    cluster = PgCluster(tag="dbwait")
+    server = None
+    try:
+        url = cluster.create_db()
+        vol = str(tmp_path / "vol")
+        Volume.create(vol, nodes=2, db=url).close()
+        cluster.stop_server()
+
+        done, took = _serve(vol, url, "--db-wait", "0")
+        assert done.returncode != 0 and took < 30, (done, took)
+        err = done.stderr.strip().splitlines()
+        assert len(err) == 1 and "cannot connect to PostgreSQL" in err[0], done.stderr
+        assert "Traceback" not in done.stderr
+
+        log = str(tmp_path / "meta.log")
+        back = threading.Timer(2.0, cluster.start)
+        back.start()
+        t0 = time.monotonic()
+        server = MetaServer(vol, db=url, log_path=log)  # waits for the "serving" line
+        back.join()
+        assert time.monotonic() - t0 >= 1.5
+        with open(log) as f:
+            assert "waiting up to 120 s for PostgreSQL" in f.read()
+        eng = connect(server.url)
+        try:
+            d = eng.create(ROOT_INO, b"d", DIR, 0, 0)
+            assert eng.lookup(ROOT_INO, b"d").ino == d.ino
+        finally:
+            eng.close()
+
+        missing = url.rsplit("/", 1)[0] + "/no_such_database"
+        done, took = _serve(vol, missing)  # the default wait: not spent on a lasting error
+        assert done.returncode != 0 and took < 30, (done, took)
+        assert "no_such_database" in done.stderr and "Traceback" not in done.stderr
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.stop()

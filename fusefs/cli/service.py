@@ -19,6 +19,11 @@ from metadata.engine import MetaEngine, MetaError
 from metadata.engines import open_engine
 from metadata.protocol import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_FRAME
 
+# A replica that starts while its database restarts (the same host rebooting, a fleet
+# brought up in any order) waits for it as long as a running replica waits for a lost
+# connection (metadata.postgres.RECONNECT_WINDOW_S), not failing the start.
+DB_WAIT = 120.0
+
 TOKEN_FILE = "meta.token"
 
 
@@ -82,6 +87,17 @@ def _positive_seconds(text: str) -> float:
     return v
 
 
+def _seconds(text: str) -> float:
+    """argparse type of --db-wait: seconds >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     """argparse type of --max-connections: an integer >= 1."""
     try:
@@ -124,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not args.tls_cert:
             raise UserError("--tls-key needs --tls-cert")
         tls = server_context(args.tls_cert, args.tls_key)  # before opening anything
-    engine = open_engine(args.db or desc["meta"], path)
+    engine = open_engine(args.db or desc["meta"], path, wait_s=args.db_wait)
     engine.get_config()  # fail now, with one line, if the engine holds no volume
     _raise_fd_limit()
     host, port = args.listen
@@ -266,6 +282,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("volume", help="volume directory (object nodes, token file)")
     s.add_argument("--listen", type=listen_arg, default=("127.0.0.1", 7410), metavar="HOST:PORT")
     s.add_argument("--db", default=None, help="postgresql://... (default: the volume's engine)")
+    s.add_argument(
+        "--db-wait",
+        type=_seconds,
+        default=DB_WAIT,
+        metavar="SECONDS",
+        help=f"at start, wait this long for a PostgreSQL server that does not answer yet "
+        f"(a database restarting with its replicas; default {DB_WAIT:g}, 0: fail at once)",
+    )
     s.add_argument("--token-file", default=None, help=f"default VOLUME/{TOKEN_FILE}, created")
     s.add_argument("--max-frame", type=size_arg, default=MAX_FRAME)
     s.add_argument("--threads", type=int, default=8, help="engine worker threads")
