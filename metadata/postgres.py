@@ -139,6 +139,24 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def _connect_waiting(url: str, wait_s: float) -> psycopg.Connection:
+    """A connection, waiting up to `wait_s` (with backoff, saying so once in the log) while
+    the error is one that waiting cures (`_transient`); otherwise the error at once."""
+    deadline = time.monotonic() + wait_s
+    delay, said = 0.05, False
+    while True:
+        try:
+            return _connect(url)
+        except psycopg.OperationalError as e:
+            if not _transient(e) or time.monotonic() >= deadline:
+                raise
+            if not said:
+                log.warning("waiting up to %.0f s for PostgreSQL: %s", wait_s, _first_line(e))
+                said = True
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
 class _Conn:
     """What sqlbase expects of a connection (execute() returning a cursor, executemany()),
     over a psycopg connection that is opened again when the database restarts.
@@ -154,21 +172,10 @@ class _Conn:
         self.url = url
         self._in_tx = in_tx
         self.reconnects = 0
-        deadline = time.monotonic() + wait_s
-        delay, said = 0.05, False
-        while True:
-            try:
-                self.conn = _connect(url)
-                break
-            except psycopg.Error as e:
-                if not _transient(e) or time.monotonic() >= deadline:
-                    why = f"cannot connect to PostgreSQL: {e}".strip()
-                    raise MetaError(errno.EIO, why) from None
-                if not said:  # a replica started while its database restarts: say so once
-                    log.warning("waiting up to %.0f s for PostgreSQL: %s", wait_s, _first_line(e))
-                    said = True
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        try:
+            self.conn = _connect_waiting(url, wait_s)
+        except psycopg.Error as e:
+            raise MetaError(errno.EIO, f"cannot connect to PostgreSQL: {e}".strip()) from None
 
     def execute(self, sql: str, args: Any = ()) -> psycopg.Cursor:
         try:
@@ -194,23 +201,12 @@ class _Conn:
             self.conn.close()
         except psycopg.Error:
             pass
-        deadline = time.monotonic() + RECONNECT_WINDOW_S
-        delay = 0.05
-        while True:
-            try:
-                self.conn = _connect(self.url)
-            except psycopg.OperationalError as e:
-                if time.monotonic() >= deadline:
-                    raise MetaError(
-                        errno.EIO,
-                        f"PostgreSQL unreachable for {RECONNECT_WINDOW_S:.0f} s: {e}".strip(),
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            self.reconnects += 1
-            log.warning("PostgreSQL connection opened again (%d since start)", self.reconnects)
-            return
+        try:
+            self.conn = _connect_waiting(self.url, RECONNECT_WINDOW_S)
+        except psycopg.Error as e:
+            raise MetaError(errno.EIO, f"PostgreSQL connection lost: {e}".strip()) from None
+        self.reconnects += 1
+        log.warning("PostgreSQL connection opened again (%d since start)", self.reconnects)
 
 
 class PostgresEngine(SqlEngine):

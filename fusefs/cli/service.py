@@ -76,25 +76,16 @@ def listen_arg(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_seconds(text: str) -> float:
-    """argparse type of --idle-timeout: seconds > 0."""
+def _seconds(text: str, *, positive: bool = True) -> float:
+    """argparse type of --idle-timeout (seconds > 0) and --db-wait (seconds >= 0)."""
     try:
         v = float(text)
     except ValueError:
         v = -1.0
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
-    return v
-
-
-def _seconds(text: str) -> float:
-    """argparse type of --db-wait: seconds >= 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    if not (v > 0 if positive else v >= 0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds {'>' if positive else '>='} 0, got {text!r}"
+        )
     return v
 
 
@@ -284,7 +275,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--db", default=None, help="postgresql://... (default: the volume's engine)")
     s.add_argument(
         "--db-wait",
-        type=_seconds,
+        type=partial(_seconds, positive=False),
         default=DB_WAIT,
         metavar="SECONDS",
         help=f"at start, wait this long for a PostgreSQL server that does not answer yet "
@@ -295,7 +286,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int, default=8, help="engine worker threads")
     s.add_argument(
         "--idle-timeout",
-        type=_positive_seconds,
+        type=_seconds,
         default=IDLE_TIMEOUT,
         metavar="SECONDS",
         help=f"close a client connection idle this long (default {IDLE_TIMEOUT:g}; "
