@@ -7,8 +7,10 @@ in waves through one pass of the chunk sink each (fusefs.client.batch: one hashi
 pool worker, one "which exist?" query, one sync), sends each wave's commit_rank requests
 pipelined on the host's connection (RemoteEngine.submit_many) and awaits their answers
 without holding a thread, so thousands of commits can be in flight for the service to
-group-commit while the next wave is staged. Loads ask for every manifest of the host at
-once and read the shards wave by wave, each pool worker verifying what it read.
+group-commit while the next wave is staged. Loads ask for the manifests of all the host's
+ranks in one request (`manifest(job, step, ranks=...)`) and read the shards wave by wave,
+each pool worker verifying what it read. A resume does not: there each rank is a process
+of a restarted job, with a connection and a manifest request of its own.
 
 Every host reports the wall time of its phases (generate, chunk, hash, exist, store, sync,
 submit, commit; manifest, read, verify) and every process its CPU seconds, so the report can
@@ -359,29 +361,28 @@ def read_wave(
 async def load_host(
     st: WorkerState, host: Host, step: int, start: float, out: list, info: list
 ) -> None:
-    """Every rank of one host: all manifests asked for at once (pipelined, answered from
-    the service's cached manifest), then the shards read and verified wave by wave."""
+    """Every rank of one host: the manifests of all its ranks in one request (the service
+    joins its ranks' slices of the step's one encoding), then the shards read and verified
+    wave by wave."""
     cfg = st.cfg
     phases: Timings = {}
     began = time.time()
     t = time.perf_counter()
-    calls = [("manifest", (cfg["job"], step), {"rank": r}) for r in host.ranks]
-    try:  # a blocking send: not on the loop (as the save's commits)
-        answers = Answers(await trio.to_thread.run_sync(host.vol.meta.submit_many, calls))
+    ask = functools.partial(host.vol.meta.manifest, cfg["job"], step, ranks=host.ranks)
+    mans: dict[int, Any] = {rank: {"files": []} for rank in host.ranks}
+    try:  # a blocking call: not on the loop
+        answer = await trio.to_thread.run_sync(ask)
+        for f in answer["files"]:
+            if f["rank"] not in mans:
+                raise ValueError(f"the manifest lists rank {f['rank']}, not one of this host's")
+            mans[f["rank"]]["files"].append(f)
     except Exception as e:
         for rank in host.ranks:
             out.append(_load_rec(host, rank, start, error=f"{type(e).__name__}: {e}"))
         return
-    await answers.wait()
     phases["manifest"] = time.perf_counter() - t
-    mans: dict[int, Any] = {}
-    for rank, f in zip(host.ranks, answers.futs, strict=True):
-        try:
-            mans[rank] = f.result()
-        except Exception as e:
-            out.append(_load_rec(host, rank, start, error=f"{type(e).__name__}: {e}"))
-    todo = [r for r in host.ranks if r in mans]
-    await _read_waves(st, host, todo, {r: (step, mans[r]) for r in todo}, start, out, phases)
+    steps = {r: (step, mans[r]) for r in host.ranks}
+    await _read_waves(st, host, host.ranks, steps, start, out, phases)
     info.append({"host": host.name, "began": began, "last": time.time(), "phases": phases})
 
 

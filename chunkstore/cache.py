@@ -11,6 +11,7 @@ keep the lock directory bounded and avoid the unlink-while-locked race.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import heapq
 import logging
@@ -74,7 +75,14 @@ def read_object(path: str, fast: bool = False) -> bytes | memoryview:
     return memoryview(m)[codec.HEADER :]
 
 
-def read_object_into(path: str, views: list[memoryview], cid: bytes, seed: int) -> bool:
+# preadv2's RWF_NOWAIT: read only what the page cache holds (EAGAIN otherwise, having started
+# the read-ahead). None where the platform has no such flag: then nothing is memory-only.
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+def read_object_into(
+    path: str, views: list[memoryview], cid: bytes, seed: int, *, nowait: bool = False
+) -> bool:
     """Read a raw object's payload straight into `views` (whose lengths sum to it) and check
     it against `cid`. False when the object is missing, compressed, of another length or
     unreadable; ChunkFormatError when its content does not match the id. Either way the
@@ -82,27 +90,50 @@ def read_object_into(path: str, views: list[memoryview], cid: bytes, seed: int) 
 
     Why: a DCP load into preallocated tensors then costs one copy per byte, made by the
     kernel, with no mapping to fault in and tear down and no buffer in between. The views
-    may be partly overwritten before a False."""
+    may be partly overwritten before a False.
+
+    nowait=True: only from memory. BlockingIOError when a byte of the object would have to
+    come from the disk (or the filesystem cannot tell): a batch reader reads what is in the
+    page cache on its own thread and hands the rest to its pool (batch.read_many)."""
+    if nowait and _NOWAIT is None:
+        raise BlockingIOError("no memory-only reads on this platform")
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return False
     try:
-        return _read_into(fd, views, cid, seed)
+        return _read_into(fd, views, cid, seed, _NOWAIT if nowait else 0)
+    except BlockingIOError:
+        raise
     except OSError as e:  # the decoding read meets the same error and reports it
+        if nowait and e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise BlockingIOError(f"no memory-only reads here: {e}") from None
         log.debug("direct read of %s failed: %s", path, e)
         return False
     finally:
         os.close(fd)
 
 
-def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int) -> bool:
+def _read_fully(fd: int, bufs: list, pos: int, flags: int) -> int:
+    """preadv; with RWF_NOWAIT a short read means "not all in memory": BlockingIOError."""
+    got = os.preadv(fd, bufs, pos, flags)
+    if flags and got < sum(len(b) for b in bufs):
+        raise BlockingIOError("only part of the object is in memory")
+    return got
+
+
+def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int, flags: int = 0) -> bool:
     if len(views) == 1 and views[0].nbytes <= VERIFY_WINDOW:
-        got = _read_small_into(fd, views[0], cid, seed)
+        got = _read_small_into(fd, views[0], cid, seed, flags)
         if got is not None:
             return got
     total = sum(v.nbytes for v in views)
-    if not _raw_of_length(os.pread(fd, codec.HEADER, 0), total):
+    if flags:
+        head = bytearray(codec.HEADER)
+        _read_fully(fd, [head], 0, flags)
+    else:
+        head = os.pread(fd, codec.HEADER, 0)
+    if not _raw_of_length(head, total):
         return False
     if os.fstat(fd).st_size != codec.HEADER + total:
         return False
@@ -112,7 +143,7 @@ def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int) -> bool:
         done = 0
         while done < v.nbytes:
             win = v[done : done + VERIFY_WINDOW]
-            got = os.preadv(fd, [win], pos)
+            got = _read_fully(fd, [win], pos, flags)
             if got <= 0:
                 return False
             h.update(win[:got])  # hashed while the bytes just read are still in the L2
@@ -123,16 +154,21 @@ def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int) -> bool:
     return True
 
 
-def _read_small_into(fd: int, view: memoryview, cid: bytes, seed: int) -> bool | None:
+def _read_small_into(
+    fd: int, view: memoryview, cid: bytes, seed: int, flags: int = 0
+) -> bool | None:
     """An object that fits one verify window, in one preadv: header, payload and one byte
     past the end (which must not exist), so a load of many small chunks pays one read per
     chunk instead of a header read, a size check and the payload read. None when the read
     came up short (a torn object, or a filesystem giving short reads): the caller's
-    general path then decides."""
+    general path then decides; with RWF_NOWAIT, BlockingIOError (the blocking read that
+    follows tells a torn object from one not yet in memory)."""
     head, past = bytearray(codec.HEADER), bytearray(1)
     want = codec.HEADER + view.nbytes
-    got = os.preadv(fd, [head, view, past], 0)
+    got = os.preadv(fd, [head, view, past], 0, flags)
     if got < want:
+        if flags:
+            raise BlockingIOError("only part of the object is in memory")
         return None
     if got > want or not _raw_of_length(head, view.nbytes):  # overlong, or not raw
         return False

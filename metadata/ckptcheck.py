@@ -88,6 +88,26 @@ def check_int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
     return v
 
 
+MANIFEST_RANKS_MAX = 65536  # ranks one manifest request may name (a host has far fewer)
+
+
+def manifest_ranks(rank: Any, ranks: Any) -> list[int] | None:
+    """The ranks a manifest request asks for (None: the whole step), checked: one `rank`,
+    or a list `ranks` of at most MANIFEST_RANKS_MAX distinct ranks; not both."""
+    if rank is not None and ranks is not None:
+        raise MetaError(errno.EINVAL, "give rank or ranks, not both")
+    if rank is not None:
+        return [check_int(rank, "rank")]
+    if ranks is None:
+        return None
+    if not isinstance(ranks, list | tuple) or len(ranks) > MANIFEST_RANKS_MAX:
+        raise MetaError(errno.EINVAL, f"ranks must be a list of at most {MANIFEST_RANKS_MAX}")
+    out = [check_int(r, "rank") for r in ranks]
+    if len(set(out)) != len(out):
+        raise MetaError(errno.EINVAL, "ranks must be distinct")
+    return out
+
+
 # -- a batch of rank commits ------------------------------------------------------------
 #
 # prepare_commits' output, per valid commit: (item index, job, step, rank, files, host,

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from metadata.checkpoints import PUBLISHED, STATE_NAMES, rank_ranges
-from metadata.ckptcheck import check_int, check_job
+from metadata.ckptcheck import check_job, manifest_ranks
 from metadata.ckptformat import INO, blob_chunk_ids
 from metadata.engine import (
     STAGED,
@@ -162,13 +162,18 @@ class CheckpointQueryMixin:
                     )
         return head, by_rank
 
-    def manifest(self, job: str, step: int, rank: int | None = None) -> dict:
-        """Every file of a published step (or one rank's) with packed extents."""
+    def manifest(
+        self, job: str, step: int, rank: int | None = None, ranks: list[int] | None = None
+    ) -> dict:
+        """Every file of a published step with packed extents; or one rank's (`rank`); or
+        those of a host's ranks in one answer (`ranks`, in that order; each file names its
+        rank): a host that reads for many ranks asks once instead of once per rank."""
         head, by_rank = self.manifest_parts(job, step)
-        if rank is None:
+        only = manifest_ranks(rank, ranks)
+        if only is None:
             files = [f for r in sorted(by_rank) for f in by_rank[r]]
         else:
-            files = by_rank.get(check_int(rank, "rank"), [])
+            files = [f for r in only for f in by_rank.get(r, [])]
         return {**head, "files": files}
 
     def list_checkpoints(self, job: str | None = None) -> list[dict]:

@@ -51,6 +51,7 @@ from typing import Any
 import msgspec
 import trio
 
+from metadata.ckptcheck import manifest_ranks
 from metadata.ckptformat import file_fields, pack_files
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.groupcommit import GroupCommit
@@ -234,11 +235,40 @@ def _commit_args(
     return job, step, rank, files, host
 
 
-def _manifest_args(job: str, step: int, rank: int | None = None) -> tuple[str, int, int | None]:
-    return job, step, rank
+def _manifest_args(
+    job: str, step: int, rank: int | None = None, ranks: list[int] | None = None
+) -> tuple[str, int, list[int] | None]:
+    return job, step, manifest_ranks(rank, ranks)
 
 
 _EMPTY = msgspec.Raw(b"\x90")  # an empty msgpack array
+
+
+def _array_items(raw: msgspec.Raw) -> tuple[int, memoryview]:
+    """A msgpack array's length and its encoded items (the bytes after its header)."""
+    mv = memoryview(raw)
+    b0 = mv[0]
+    if b0 & 0xF0 == 0x90:
+        return b0 & 0x0F, mv[1:]
+    if b0 == 0xDC:
+        return int.from_bytes(mv[1:3], "big"), mv[3:]
+    if b0 == 0xDD:
+        return int.from_bytes(mv[1:5], "big"), mv[5:]
+    raise ValueError(f"not a msgpack array (0x{b0:02x})")
+
+
+def _joined(arrays: list[msgspec.Raw]) -> msgspec.Raw:
+    """Encoded arrays joined into one encoded array, without decoding their items: the
+    answer to a host's manifest request is its ranks' slices put end to end."""
+    parts = [_array_items(a) for a in arrays]
+    n = sum(k for k, _ in parts)
+    if n < 16:
+        head = bytes([0x90 | n])
+    elif n < 2**16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return msgspec.Raw(b"".join([head, *(body for _, body in parts)]))
 
 
 def _encode_manifest(head: dict, files: dict[int, list]) -> tuple[dict, Any, dict]:
@@ -564,11 +594,11 @@ class MetaService:
                 self._group.submit(item, slot)
                 return
             if method == "manifest":
-                job, step, rank = _manifest_args(*args, **kwargs)
+                job, step, only = _manifest_args(*args, **kwargs)
                 entry = self._manifests.get((job, step))
                 if entry is not None and entry.done and entry.error is None:
                     self.stats["inline"] += 1
-                    slot.set(self._manifest_answer(entry.result, rank))
+                    slot.set(self._manifest_answer(entry.result, only))
                     return
             elif method in BATCHED_READS:
                 self._reads.submit(method, args, kwargs, slot)
@@ -750,7 +780,10 @@ class MetaService:
         except Exception:  # noqa: BLE001 - a request will build it (and report) later
             log.debug("prebuilding the manifest of %s/%s failed", job, step, exc_info=True)
 
-    async def _manifest(self, job: str, step: int, rank: int | None = None) -> dict:
+    async def _manifest(
+        self, job: str, step: int, rank: int | None = None, ranks: list[int] | None = None
+    ) -> dict:
+        only = manifest_ranks(rank, ranks)
         key = (job, step)
         entry = self._manifests.get(key)
         if entry is None:
@@ -770,13 +803,15 @@ class MetaService:
                 self._building -= 1
             while len(self._manifests) > MANIFESTS_KEEP:
                 self._manifests.popitem(last=False)
-        return self._manifest_answer(await entry.get(), rank)
+        return self._manifest_answer(await entry.get(), only)
 
     @staticmethod
-    def _manifest_answer(parts: tuple, rank: Any) -> dict:
+    def _manifest_answer(parts: tuple, only: list[int] | None) -> dict:
+        """The whole step's files, or those of the ranks in `only` (checked by
+        manifest_ranks), from the encodings made once per step."""
         head, full, per = parts
-        if rank is None:
+        if only is None:
             return {**head, "files": full}
-        if not isinstance(rank, int) or isinstance(rank, bool):
-            raise MetaError(errno.EINVAL, "rank must be an integer")
-        return {**head, "files": per.get(rank, _EMPTY)}
+        if len(only) == 1:
+            return {**head, "files": per.get(only[0], _EMPTY)}
+        return {**head, "files": _joined([per.get(r, _EMPTY) for r in only])}

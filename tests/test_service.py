@@ -439,6 +439,14 @@ def test_manifest_encoded_from_commits_equals_the_engines(tmp_path, meta_server)
         assert c.wait_published("mf", 1, 20)["state"] == "published"
         remote = c.manifest("mf", 1)
         per_rank = [c.manifest("mf", 1, rank=r) for r in range(3)]
+        host = c.manifest("mf", 1, ranks=[2, 0, 7])  # rank 7 has no files: none listed
+        bad = []
+        for kw in ({"rank": 1, "ranks": [1]}, {"ranks": [1, 1]}, {"ranks": 3},
+                   {"ranks": [0, True]}, {"ranks": [-1]}):  # fmt: skip
+            with pytest.raises(MetaError) as e:
+                c.manifest("mf", 1, **kw)
+            bad.append(e.value.errno)
+        assert bad == [errno.EINVAL] * 5
     finally:
         c.close()
     local = Volume.open(str(tmp_path / "vol"))
@@ -448,8 +456,28 @@ def test_manifest_encoded_from_commits_equals_the_engines(tmp_path, meta_server)
         for r in range(3):
             assert per_rank[r] == local.meta.manifest("mf", 1, rank=r)
         assert [f["path"] for f in per_rank[1]["files"]] == ["a/b/r1", "r1.meta", "z/r1"]
+        assert host == local.meta.manifest("mf", 1, ranks=[2, 0, 7])
+        assert host["files"] == per_rank[2]["files"] + per_rank[0]["files"]
+        with pytest.raises(MetaError) as e:
+            local.meta.manifest("mf", 1, ranks=[0, 0])
+        assert e.value.errno == errno.EINVAL
     finally:
         local.close()
+
+
+def test_joined_manifest_slices_decode_as_one_list():
+    """A host's manifest answer joins its ranks' encoded slices without decoding them: the
+    joined encoding decodes to the items in order, across every msgpack array header size
+    (up to 15 items, up to 65,535, more)."""
+    import msgspec
+
+    from metadata.service import _joined
+
+    enc = msgspec.msgpack.Encoder()
+    for sizes in ([0], [3, 12], [15, 1], [16, 0, 5], [40000, 25535], [65535, 1], [70000, 3]):
+        lists = [[[i, j, b"x" * (j % 3)] for j in range(n)] for i, n in enumerate(sizes)]
+        raw = _joined([msgspec.Raw(enc.encode(x)) for x in lists])
+        assert msgspec.msgpack.decode(raw) == [y for x in lists for y in x], sizes
 
 
 def test_group_commit_answers_every_rank_when_acknowledging_fails():

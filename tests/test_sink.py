@@ -168,3 +168,38 @@ def test_a_batch_of_files_is_one_pass_with_the_records_a_file_writer_makes(vol, 
     # a second batch of the same bytes stores nothing new
     again = stage_files(vol, files[:1])
     assert again[0].new_chunks == [] and again[0].stored == 0
+
+
+def test_read_many_reads_what_is_in_memory_on_its_own_thread(vol, tmp_path):
+    """read_many reads files whose chunks are all in the page cache on the calling thread
+    (no GIL hand-offs for warm loads), and from the first one that is not, hands the rest
+    to the pool's workers: the same bytes either way."""
+    import threading
+
+    from fusefs.client.batch import read_many, stage_files
+
+    vol.attach_tier(str(tmp_path / "staging"), durability="local")
+    rng = __import__("random").Random(3)
+    files = [[rng.randbytes(3 * MiB + 1000)] for _ in range(8)]
+    staged = stage_files(vol, files)
+    want = [b"".join(f) for f in files]
+    me = threading.get_ident()
+
+    def read() -> list[tuple[bytes, int]]:
+        return read_many(vol, [(f.extents, f.size) for f in staged],
+                         lambda i, buf: (bytes(buf), threading.get_ident()))  # fmt: skip
+
+    got = read()  # big chunks are staged with O_DIRECT: not in memory until read once
+    assert [b for b, _ in got] == want and me not in {t for _, t in got}
+    got = read()
+    assert [b for b, _ in got] == want and {t for _, t in got} == {me}
+    for f in staged[5:]:  # files 5..7 leave memory: 0..4 stay on this thread
+        for e in f.extents:
+            path = os.path.join(vol.tier.staged_dir, e.chunk_id.hex())
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    got = read()
+    assert [b for b, _ in got] == want
+    assert {t for _, t in got[:5]} == {me} and me not in {t for _, t in got[5:]}

@@ -166,9 +166,9 @@ def test_read_object_into_small_objects_in_one_read(tmp_path, monkeypatch):
     calls = []
     real_preadv = os.preadv
 
-    def counting_preadv(fd, bufs, off):
+    def counting_preadv(fd, bufs, off, flags=0):
         calls.append(len(bufs))
-        return real_preadv(fd, bufs, off)
+        return real_preadv(fd, bufs, off, flags)
 
     monkeypatch.setattr(cache_mod.os, "preadv", counting_preadv)
     with open(path, "wb") as f:
@@ -190,12 +190,56 @@ def test_read_object_into_small_objects_in_one_read(tmp_path, monkeypatch):
     with open(path, "wb") as f:
         f.write(good)
 
-    def short_preadv(fd, bufs, off):  # a filesystem that returns a few bytes at a time
-        return real_preadv(fd, [memoryview(bufs[0])[:7]], off)
+    def short_preadv(fd, bufs, off, flags=0):  # a filesystem returning a few bytes at a time
+        return real_preadv(fd, [memoryview(bufs[0])[:7]], off, flags)
 
     monkeypatch.setattr(cache_mod.os, "preadv", short_preadv)
     out = bytearray(len(raw))
     assert read_object_into(path, [memoryview(out)], cid, 7) and out == raw
+
+
+def _evict(path: str) -> None:
+    """Drop a synced file's pages from the page cache (POSIX_FADV_DONTNEED)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_memory_only_reads_take_nothing_from_the_disk(tmp_path):
+    """read_object_into(nowait=True), the batch reader's probe: an object in the page
+    cache is read and checked as by the blocking read; one whose pages are on the disk
+    only raises BlockingIOError, and a torn one is never read as whole."""
+    from chunkstore.cache import read_object_into
+    from chunkstore.ids import chunk_id
+
+    for size in (65536, 300_000):  # the one-read path and the general path
+        raw = os.urandom(size)
+        cid = chunk_id(raw, 7)
+        path = str(tmp_path / f"obj{size}")
+        with open(path, "wb") as f:
+            f.write(codec.encode(raw, "none"))
+        _evict(path)
+        with pytest.raises(BlockingIOError):
+            read_object_into(path, [memoryview(bytearray(size))], cid, 7, nowait=True)
+        out = bytearray(size)
+        assert read_object_into(path, [memoryview(out)], cid, 7) and out == raw  # now cached
+        out = bytearray(size)
+        assert read_object_into(path, [memoryview(out)], cid, 7, nowait=True) and out == raw
+        with pytest.raises(codec.ChunkFormatError, match="chunk id"):
+            read_object_into(path, [memoryview(out)], chunk_id(raw, 8), 7, nowait=True)
+        with open(path, "r+b") as f:
+            f.truncate(codec.HEADER + size - 1)  # torn, and still in memory: never True
+        try:
+            torn = read_object_into(path, [memoryview(out)], cid, 7, nowait=True)
+        except BlockingIOError:  # the one-read path cannot tell torn from not in memory
+            torn = size > 65536
+        assert torn is False
+        assert not read_object_into(path, [memoryview(bytearray(size))], cid, 7)
+        assert not read_object_into(str(tmp_path / "missing"), [memoryview(out)], cid, 7,
+                                    nowait=True)  # fmt: skip
 
 
 def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path, monkeypatch):
@@ -243,9 +287,9 @@ def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path, monkey
     # still lands in place and is hashed once
     real_preadv, rng = os.preadv, random.Random(5)
 
-    def short_preadv(fd, bufs, off):
+    def short_preadv(fd, bufs, off, flags=0):
         (buf,) = bufs
-        return real_preadv(fd, [buf[: rng.randint(1, len(buf))]], off)
+        return real_preadv(fd, [buf[: rng.randint(1, len(buf))]], off, flags)
 
     monkeypatch.setattr(cache_mod.os, "preadv", short_preadv)
     out = bytearray(len(big))

@@ -513,19 +513,21 @@ class WriteBehindTier(Recovery):
             return raw
         return self.cache.single_flight(cid, lambda: self._fetch(cid))
 
-    def read_into(self, cid: bytes, views: list[memoryview]) -> bool:
+    def read_into(self, cid: bytes, views: list[memoryview], *, nowait: bool = False) -> bool:
         """The local copy of a raw chunk (staged, else cached) read straight into `views`
-        (cache.read_object_into); False when there is none usable: then `get`."""
+        (cache.read_object_into); False when there is none usable: then `get`.
+        nowait=True: from memory only, else BlockingIOError (read_object_into)."""
+        seed = self.store.seed
         try:
             if read_object_into(
-                os.path.join(self.staged_dir, cid.hex()), views, cid, self.store.seed
+                os.path.join(self.staged_dir, cid.hex()), views, cid, seed, nowait=nowait
             ):
                 return True
         except codec.ChunkFormatError as e:  # as _read_staged reports it
             log.error("staged chunk %s is corrupt: %s", cid.hex(), e)
         path = self.cache.path(cid)
         try:
-            if not read_object_into(path, views, cid, self.store.seed):
+            if not read_object_into(path, views, cid, seed, nowait=nowait):
                 return False
         except codec.ChunkFormatError:
             return False  # the decoding read drops it, with a warning, and fetches it again

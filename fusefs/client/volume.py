@@ -433,10 +433,11 @@ class Volume:
         s = self.settings
         return make_chunker(s.chunking, s.chunk_size, min_size=s.cdc_min, max_size=s.cdc_max)
 
-    def read_chunk_into(self, cid: bytes, views: list[memoryview]) -> bool:
+    def read_chunk_into(self, cid: bytes, views: list[memoryview], *, nowait: bool = False) -> bool:
         """A chunk's raw bytes read into `views` from this host's tier, if it holds the chunk
-        uncompressed; False otherwise (then fetch_chunk), with the views maybe overwritten."""
-        return self.tier is not None and self.tier.read_into(cid, views)
+        uncompressed; False otherwise (then fetch_chunk), with the views maybe overwritten.
+        nowait=True: only if those bytes are in memory, else BlockingIOError."""
+        return self.tier is not None and self.tier.read_into(cid, views, nowait=nowait)
 
     def inline_chunks(self, ids: list[bytes]) -> dict[bytes, bytes]:
         """The verified bytes of those of these chunks stored inline in the metadata (one
