@@ -9,7 +9,7 @@ pipelined on the host's connection (RemoteEngine.submit_many) and awaits their a
 without holding a thread, so thousands of commits can be in flight for the service to
 group-commit while the next wave is staged. Loads ask for the manifests of all the host's
 ranks in one request (`manifest(job, step, ranks=...)`) and read the shards wave by wave,
-each pool worker verifying what it read. A resume does not: there each rank is a process
+the thread that read each verifying it. A resume does not: there each rank is a process
 of a restarted job, with a connection and a manifest request of its own.
 
 Every host reports the wall time of its phases (generate, chunk, hash, exist, store, sync,
@@ -318,8 +318,9 @@ async def save_host(
 def read_wave(
     st: WorkerState, host: Host, step: int, ranks: list[int], mans: list
 ) -> tuple[list[tuple[bool, str]], Timings]:
-    """Read a wave of shards (fusefs.client.batch.read_many: each pool worker reads its
-    share straight into buffers and verifies each against the seed's bytes as it goes)."""
+    """Read a wave of shards (fusefs.client.batch.read_many: warm ones on this thread, the
+    rest on the pool, each read straight into a buffer and verified against the seed's
+    bytes by the thread that read it)."""
     t0 = time.perf_counter()
     verify = [0.0]
     lock = threading.Lock()

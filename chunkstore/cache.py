@@ -103,9 +103,9 @@ def read_object_into(
         return False
     try:
         return _read_into(fd, views, cid, seed, _NOWAIT if nowait else 0)
-    except BlockingIOError:
-        raise
     except OSError as e:  # the decoding read meets the same error and reports it
+        if nowait and isinstance(e, BlockingIOError):
+            raise
         if nowait and e.errno in (errno.EOPNOTSUPP, errno.EINVAL):
             raise BlockingIOError(f"no memory-only reads here: {e}") from None
         log.debug("direct read of %s failed: %s", path, e)
@@ -117,7 +117,7 @@ def read_object_into(
 def _read_fully(fd: int, bufs: list, pos: int, flags: int) -> int:
     """preadv; with RWF_NOWAIT a short read means "not all in memory": BlockingIOError."""
     got = os.preadv(fd, bufs, pos, flags)
-    if flags and got < sum(len(b) for b in bufs):
+    if flags and got < sum(memoryview(b).nbytes for b in bufs):
         raise BlockingIOError("only part of the object is in memory")
     return got
 

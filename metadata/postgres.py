@@ -129,10 +129,21 @@ def _transient(e: psycopg.Error) -> bool:
     if state is not None:
         return state.startswith("57") or state == "53300"
     msg = str(e)
+    if any(w in msg for w in _LASTING):
+        return False
     return "FATAL:" not in msg or any(w in msg for w in _PASSING)
 
 
-_PASSING = ("the database system is", "too many clients", "too many connections")
+# FATAL messages that pass: starting, stopping or recovering, and the connection slots full
+# (53300: "too many clients already", or the reserved slots' "remaining connection slots")
+_PASSING = (
+    "the database system is",
+    "too many clients",
+    "too many connections",
+    "remaining connection slots",
+)
+# client-side refusals libpq gives without FATAL that no wait cures: credentials and TLS
+_LASTING = ("password", "fe_sendauth", "does not support SSL", "SSL is not enabled", "certificate")
 
 
 def _first_line(e: Exception) -> str:
@@ -215,7 +226,8 @@ class PostgresEngine(SqlEngine):
     def __init__(self, url: str, wait_s: float = 0.0) -> None:
         """`wait_s`: how long an unreachable database is waited for at the first connection
         (a long-running service waits out a database restart; a one-shot command fails at
-        once). Afterwards every lost connection is waited for up to RECONNECT_WINDOW_S."""
+        once). Afterwards a lost connection is waited for up to RECONNECT_WINDOW_S, as long
+        as the errors are ones that waiting cures (`_transient`)."""
         self.url = url
         self._conn = _Conn(url, lambda: self._depth > 0, wait_s)
         self._lock = threading.RLock()

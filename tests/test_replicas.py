@@ -429,7 +429,7 @@ def test_a_replica_started_while_its_database_restarts_waits_for_it(tmp_path):
     replica restarted during the database's restart) waits for the database and serves,
     saying once what it waits for; --db-wait 0 and a database that does not exist fail
     at once, in one line."""
-    from bench.servers.metaserve import MetaServer
+    from bench.servers.metaserve import DB_WAIT, MetaServer
     from tests.fixtures.postgres import PgCluster
 
     cluster = PgCluster(tag="dbwait")
@@ -454,7 +454,7 @@ def test_a_replica_started_while_its_database_restarts_waits_for_it(tmp_path):
         back.join()
         assert time.monotonic() - t0 >= 1.5
         with open(log) as f:
-            assert "waiting up to 120 s for PostgreSQL" in f.read()
+            assert f"waiting up to {DB_WAIT:g} s for PostgreSQL" in f.read()
         eng = connect(server.url)
         try:
             d = eng.create(ROOT_INO, b"d", DIR, 0, 0)
@@ -470,3 +470,35 @@ def test_a_replica_started_while_its_database_restarts_waits_for_it(tmp_path):
         if server is not None:
             server.stop()
         cluster.stop()
+
+
+def test_only_errors_that_waiting_cures_are_waited_for():
+    """What a replica waits for at start and after a lost connection (libpq gives these
+    without a SQLSTATE): no answer, a server starting or full; not a missing database,
+    a wrong password or a TLS mismatch, which fail at once."""
+    import psycopg
+
+    from metadata.postgres import _transient
+
+    def err(text: str) -> psycopg.OperationalError:
+        return psycopg.OperationalError(
+            f'connection failed: connection to server at "h" failed: {text}'
+        )
+
+    waits = [
+        "Connection refused\n\tIs the server running on that host and accepting TCP/IP?",
+        "FATAL:  the database system is starting up",
+        "FATAL:  the database system is shutting down",
+        "FATAL:  sorry, too many clients already",
+        "FATAL:  remaining connection slots are reserved for roles with the SUPERUSER attribute",
+        "server closed the connection unexpectedly",
+    ]
+    fails = [
+        'FATAL:  database "nope" does not exist',
+        'FATAL:  password authentication failed for user "ckpt"',
+        "fe_sendauth: no password supplied",
+        "server does not support SSL, but SSL was required",
+        "SSL error: certificate verify failed",
+    ]
+    assert [_transient(err(t)) for t in waits] == [True] * len(waits)
+    assert [_transient(err(t)) for t in fails] == [False] * len(fails)

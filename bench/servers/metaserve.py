@@ -18,6 +18,10 @@ from collections.abc import Sequence
 from bench.servers import ServerError, child_env, tail
 
 START_TIMEOUT = 60.0
+# A replica on PostgreSQL waits this long for its database at start (meta serve --db-wait),
+# less than START_TIMEOUT: past it the replica itself says, in one line, why it did not start.
+DB_WAIT = START_TIMEOUT - 15.0
+RESTART_FOR = 10.0  # how long a restart retries a port that lingers after the kill
 
 
 class MetaServer:
@@ -69,7 +73,7 @@ class MetaServer:
         cmd = [*self.prefix, sys.executable, "-m", "fusefs.cli", "meta", "serve", self.volume,
                "--listen", f"{self.host}:{self.port}"]  # fmt: skip
         if self.db:
-            cmd += ["--db", self.db]
+            cmd += ["--db", self.db, "--db-wait", f"{DB_WAIT:g}"]
         if self.tls:
             cmd += ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]]
         with open(self.log_path, "ab") as log:
@@ -105,14 +109,17 @@ class MetaServer:
             if self.proc.stdout:
                 self.proc.stdout.close()
 
-    def restart(self, attempts: int = 50) -> None:
+    def restart(self) -> None:
+        """Kill and start again on the same port. Only a port still in use after the kill
+        is retried (for RESTART_FOR seconds); any other failure is the answer."""
         self.kill()
-        for i in range(attempts):  # the port may linger briefly after a kill
+        end = time.monotonic() + RESTART_FOR
+        while True:
             try:
                 self.start()
                 return
-            except ServerError:
-                if i == attempts - 1:
+            except ServerError as e:
+                if "in use" not in str(e) or time.monotonic() >= end:
                     raise
                 time.sleep(0.1)
 

@@ -171,5 +171,6 @@ def read_many(
         except BlockingIOError:
             break
         out.append(check(i, buf))
+        del buf  # memory stays at one file per thread
     rest = range(len(out), len(files))
     return out + vol.sink.spread(lambda i: check(i, read_whole(vol, *files[i])), rest)
