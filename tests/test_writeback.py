@@ -208,30 +208,52 @@ def _evict(path: str) -> None:
         os.close(fd)
 
 
-def test_memory_only_reads_take_nothing_from_the_disk(tmp_path):
+def test_memory_only_reads_take_nothing_from_the_disk(tmp_path, monkeypatch):
     """read_object_into(nowait=True), the batch reader's probe: an object in the page
-    cache is read and checked as by the blocking read; one whose pages are on the disk
-    only raises BlockingIOError, and a torn one is never read as whole."""
+    cache is read and checked as by the blocking read; one the kernel would have to wait
+    for raises BlockingIOError, whole or in part; a torn one is never read as whole. (The
+    kernel's refusals are simulated: a refused RWF_NOWAIT read starts the read-ahead, which
+    on a fast disk may finish before the check, so a real evicted page is not a sure one.)"""
+    from chunkstore import cache as cache_mod
     from chunkstore.cache import read_object_into
     from chunkstore.ids import chunk_id
 
+    real_preadv = os.preadv
+    cold: dict[str, int] = {}  # what the fake kernel holds of each cold file: bytes from 0
+
+    def kernel(fd, bufs, off, flags=0):
+        held = cold.get(os.readlink(f"/proc/self/fd/{fd}"))
+        if held is None or not flags & os.RWF_NOWAIT:
+            return real_preadv(fd, bufs, off, flags)
+        if off >= held:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        cut, left = [], held - off
+        for b in bufs:  # a short read: what is held
+            v = memoryview(b).cast("B")
+            cut.append(v[: max(0, min(v.nbytes, left))])
+            left -= cut[-1].nbytes
+        return real_preadv(fd, [c for c in cut if c.nbytes], off, flags)
+
+    monkeypatch.setattr(cache_mod.os, "preadv", kernel)
     for size in (65536, 300_000):  # the one-read path and the general path
         raw = os.urandom(size)
         cid = chunk_id(raw, 7)
         path = str(tmp_path / f"obj{size}")
         with open(path, "wb") as f:
             f.write(codec.encode(raw, "none"))
-        _evict(path)
-        with pytest.raises(BlockingIOError):
-            read_object_into(path, [memoryview(bytearray(size))], cid, 7, nowait=True)
-        out = bytearray(size)
-        assert read_object_into(path, [memoryview(out)], cid, 7) and out == raw  # now cached
         out = bytearray(size)
         assert read_object_into(path, [memoryview(out)], cid, 7, nowait=True) and out == raw
         with pytest.raises(codec.ChunkFormatError, match="chunk id"):
             read_object_into(path, [memoryview(out)], chunk_id(raw, 8), 7, nowait=True)
+        for held in (0, 4096, size // 2):  # nothing, the header, half the payload
+            cold[path] = held
+            with pytest.raises(BlockingIOError):
+                read_object_into(path, [memoryview(bytearray(size))], cid, 7, nowait=True)
+            out = bytearray(size)
+            assert read_object_into(path, [memoryview(out)], cid, 7) and out == raw  # blocking
+        del cold[path]
         with open(path, "r+b") as f:
-            f.truncate(codec.HEADER + size - 1)  # torn, and still in memory: never True
+            f.truncate(codec.HEADER + size - 1)  # torn: never True
         try:
             torn = read_object_into(path, [memoryview(out)], cid, 7, nowait=True)
         except BlockingIOError:  # the one-read path cannot tell torn from not in memory
@@ -240,6 +262,18 @@ def test_memory_only_reads_take_nothing_from_the_disk(tmp_path):
         assert not read_object_into(path, [memoryview(bytearray(size))], cid, 7)
         assert not read_object_into(str(tmp_path / "missing"), [memoryview(out)], cid, 7,
                                     nowait=True)  # fmt: skip
+    monkeypatch.setattr(cache_mod.os, "preadv", real_preadv)
+    path = str(tmp_path / "real")  # the real kernel, evicted: refused, or whole and checked
+    raw = os.urandom(300_000)
+    with open(path, "wb") as f:
+        f.write(codec.encode(raw, "none"))
+    _evict(path)
+    out = bytearray(len(raw))
+    try:
+        assert read_object_into(path, [memoryview(out)], chunk_id(raw, 7), 7, nowait=True)
+        assert out == raw
+    except BlockingIOError:
+        pass
 
 
 def test_read_object_into_fills_views_only_from_a_good_raw_copy(tmp_path, monkeypatch):
