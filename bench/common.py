@@ -84,16 +84,26 @@ def drop_caches() -> bool:
         return False
 
 
+def evict(path: str) -> None:
+    """Write back one file and drop its pages from the page cache (POSIX_FADV_DONTNEED):
+    what a user who may not drop the whole cache can do."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def disk_read_cold(path: str, piece: int = 4 * 2**20) -> tuple[float, int, bool]:
     """The read baseline: the file read whole from the disk, not the page cache (the cache
     dropped, or where that is not allowed, the file's pages evicted with fadvise).
     Returns (seconds, bytes, whether the whole page cache was dropped)."""
     dropped = drop_caches()
+    if not dropped:
+        evict(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        if not dropped:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         buf = bytearray(piece)
         t0 = time.perf_counter()
         n = 0

@@ -371,8 +371,7 @@ class Env:
         """Partition host h: its link down (netns); on loopback, where there is no link to
         cut, its worker process is stopped (SIGSTOP), which is what the rest of the fleet
         sees of a partitioned host."""
-        with self._lock:
-            self._guard()
+        with self._action():
             if self.fabric:
                 self.fabric.cut(self.fabric.members[f"h{h}"])
             else:

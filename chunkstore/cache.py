@@ -114,12 +114,18 @@ def read_object_into(
         os.close(fd)
 
 
-def _read_fully(fd: int, bufs: list, pos: int, flags: int) -> int:
-    """preadv; with RWF_NOWAIT a short read means "not all in memory": BlockingIOError."""
-    got = os.preadv(fd, bufs, pos, flags)
-    if flags and got < sum(memoryview(b).nbytes for b in bufs):
-        raise BlockingIOError("only part of the object is in memory")
-    return got
+def _read_fully(fd: int, buf: memoryview, pos: int, flags: int) -> int:
+    """Fill `buf` from `pos`, over short reads, until full or the end of the file; returns
+    the bytes read. With RWF_NOWAIT a short read means "not all in memory": BlockingIOError."""
+    done = 0
+    while done < buf.nbytes:
+        got = os.preadv(fd, [buf[done:]], pos + done, flags)
+        if flags and done + got < buf.nbytes:
+            raise BlockingIOError("only part of the object is in memory")
+        if got <= 0:
+            break
+        done += got
+    return done
 
 
 def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int, flags: int = 0) -> bool:
@@ -128,11 +134,9 @@ def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int, flags: i
         if got is not None:
             return got
     total = sum(v.nbytes for v in views)
-    if flags:
-        head = bytearray(codec.HEADER)
-        _read_fully(fd, [head], 0, flags)
-    else:
-        head = os.pread(fd, codec.HEADER, 0)
+    head = bytearray(codec.HEADER)
+    if _read_fully(fd, memoryview(head), 0, flags) < codec.HEADER:
+        return False
     if not _raw_of_length(head, total):
         return False
     if os.fstat(fd).st_size != codec.HEADER + total:
@@ -140,15 +144,12 @@ def _read_into(fd: int, views: list[memoryview], cid: bytes, seed: int, flags: i
     h = id_hasher(seed)
     pos = codec.HEADER
     for v in views:
-        done = 0
-        while done < v.nbytes:
-            win = v[done : done + VERIFY_WINDOW]
-            got = _read_fully(fd, [win], pos, flags)
-            if got <= 0:
-                return False
-            h.update(win[:got])  # hashed while the bytes just read are still in the L2
-            pos += got
-            done += got
+        for at in range(0, v.nbytes, VERIFY_WINDOW):
+            win = v[at : at + VERIFY_WINDOW]
+            if _read_fully(fd, win, pos, flags) < win.nbytes:
+                return False  # the file ended early: torn
+            h.update(win)  # hashed while the bytes just read are still in the L2
+            pos += win.nbytes
     if h.digest() != cid:
         raise codec.ChunkFormatError("content does not match its chunk id")
     return True

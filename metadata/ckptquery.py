@@ -168,8 +168,8 @@ class CheckpointQueryMixin:
         """Every file of a published step with packed extents; or one rank's (`rank`); or
         those of a host's ranks in one answer (`ranks`, in that order; each file names its
         rank): a host that reads for many ranks asks once instead of once per rank."""
+        only = manifest_ranks(rank, ranks)  # bad arguments: refused before any read
         head, by_rank = self.manifest_parts(job, step)
-        only = manifest_ranks(rank, ranks)
         if only is None:
             files = [f for r in sorted(by_rank) for f in by_rank[r]]
         else:

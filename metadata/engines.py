@@ -7,6 +7,10 @@ import os
 
 from metadata.engine import MetaEngine
 
+# How long a database server that does not answer is waited for: by a running service
+# after it lost its connection, and by default at a service's start (`meta serve --db-wait`).
+DB_WAIT_S = 120.0
+
 
 class EngineURLError(ValueError):
     """A metadata URL that names no engine, or a database that cannot be opened."""

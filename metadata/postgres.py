@@ -87,6 +87,7 @@ import psycopg
 
 from metadata.changes import POSTGRES_DDL
 from metadata.engine import MetaError
+from metadata.engines import DB_WAIT_S
 from metadata.sqlbase import SqlEngine
 from metadata.sqlite import SCHEMA
 from metadata.txlocks import lock_key
@@ -106,7 +107,7 @@ def translate_ddl(stmt: str) -> str:
     return _RESERVED.sub('"offset"', s)
 
 
-RECONNECT_WINDOW_S = 120.0  # how long a lost database is waited for before calls fail
+RECONNECT_WINDOW_S = DB_WAIT_S  # how long a lost database is waited for before calls fail
 
 
 def _connect(url: str) -> psycopg.Connection:

@@ -600,6 +600,7 @@ class MetaService:
                     self.stats["inline"] += 1
                     slot.set(self._manifest_answer(entry.result, only))
                     return
+                args, kwargs = [job, step, only], {}  # checked once: _manifest takes `only`
             elif method in BATCHED_READS:
                 self._reads.submit(method, args, kwargs, slot)
                 return
@@ -780,10 +781,9 @@ class MetaService:
         except Exception:  # noqa: BLE001 - a request will build it (and report) later
             log.debug("prebuilding the manifest of %s/%s failed", job, step, exc_info=True)
 
-    async def _manifest(
-        self, job: str, step: int, rank: int | None = None, ranks: list[int] | None = None
-    ) -> dict:
-        only = manifest_ranks(rank, ranks)
+    async def _manifest(self, job: str, step: int, only: list[int] | None = None) -> dict:
+        """The step's manifest, or the files of the ranks in `only` (as _manifest_args
+        checked them), built once per step and kept."""
         key = (job, step)
         entry = self._manifests.get(key)
         if entry is None:

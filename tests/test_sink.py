@@ -176,6 +176,7 @@ def test_read_many_reads_what_is_in_memory_on_its_own_thread(vol, tmp_path):
     to the pool's workers: the same bytes either way."""
     import threading
 
+    from bench.common import evict
     from fusefs.client.batch import read_many, stage_files
 
     vol.attach_tier(str(tmp_path / "staging"), durability="local")
@@ -210,7 +211,5 @@ def test_read_many_reads_what_is_in_memory_on_its_own_thread(vol, tmp_path):
     vol.read_chunk_into = real
     for f in staged:  # the real kernel, every page evicted: the same bytes
         for e in f.extents:
-            fd = os.open(os.path.join(vol.tier.staged_dir, e.chunk_id.hex()), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            evict(os.path.join(vol.tier.staged_dir, e.chunk_id.hex()))
     assert [b for b, _ in read()] == want

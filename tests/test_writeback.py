@@ -198,22 +198,13 @@ def test_read_object_into_small_objects_in_one_read(tmp_path, monkeypatch):
     assert read_object_into(path, [memoryview(out)], cid, 7) and out == raw
 
 
-def _evict(path: str) -> None:
-    """Drop a synced file's pages from the page cache (POSIX_FADV_DONTNEED)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_memory_only_reads_take_nothing_from_the_disk(tmp_path, monkeypatch):
     """read_object_into(nowait=True), the batch reader's probe: an object in the page
     cache is read and checked as by the blocking read; one the kernel would have to wait
     for raises BlockingIOError, whole or in part; a torn one is never read as whole. (The
     kernel's refusals are simulated: a refused RWF_NOWAIT read starts the read-ahead, which
     on a fast disk may finish before the check, so a real evicted page is not a sure one.)"""
+    from bench.common import evict
     from chunkstore import cache as cache_mod
     from chunkstore.cache import read_object_into
     from chunkstore.ids import chunk_id
@@ -267,7 +258,7 @@ def test_memory_only_reads_take_nothing_from_the_disk(tmp_path, monkeypatch):
     raw = os.urandom(300_000)
     with open(path, "wb") as f:
         f.write(codec.encode(raw, "none"))
-    _evict(path)
+    evict(path)
     out = bytearray(len(raw))
     try:
         assert read_object_into(path, [memoryview(out)], chunk_id(raw, 7), 7, nowait=True)

@@ -16,13 +16,8 @@ from fusefs.cli.units import format_size, parse_listen
 from fusefs.client.volume import VOLUME_FILE, VolumeError
 from metadata.client import read_token_file
 from metadata.engine import MetaEngine, MetaError
-from metadata.engines import open_engine
+from metadata.engines import DB_WAIT_S, open_engine
 from metadata.protocol import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_FRAME
-
-# A replica that starts while its database restarts (the same host rebooting, a fleet
-# brought up in any order) waits for it as long as a running replica waits for a lost
-# connection (metadata.postgres.RECONNECT_WINDOW_S), not failing the start.
-DB_WAIT = 120.0
 
 TOKEN_FILE = "meta.token"
 
@@ -276,10 +271,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--db-wait",
         type=partial(_seconds, positive=False),
-        default=DB_WAIT,
+        default=DB_WAIT_S,
         metavar="SECONDS",
-        help=f"at start, wait this long for a PostgreSQL server that does not answer yet "
-        f"(a database restarting with its replicas; default {DB_WAIT:g}, 0: fail at once)",
+        help=f"at start, wait this long for a PostgreSQL server that does not answer yet, as "
+        f"a running replica waits after losing it "
+        f"(a database restarting with its replicas; default {DB_WAIT_S:g}, 0: fail at once)",
     )
     s.add_argument("--token-file", default=None, help=f"default VOLUME/{TOKEN_FILE}, created")
     s.add_argument("--max-frame", type=size_arg, default=MAX_FRAME)
