@@ -2,8 +2,11 @@
 
 Every connection authenticates first (constant-time token compare), then
 pipelines requests. The connection's reader decodes each request and routes
-it without a task where it can; answers are queued to one writer task per
-connection that sends everything ready in one write. Requests that need the
+it without a task where it can; an answer is written at once when nothing is
+queued before it, else queued for the connection's writer task, which sends
+everything queued in one write (conn.py: plain sockets, not trio streams,
+because a restarted job's thousands of connects are the service's cost).
+Requests that need the
 engine run as tasks, blocking calls in worker threads under one
 CapacityLimiter. Four kinds of request get special handling because thousands
 of ranks send them at the same moment:
@@ -53,6 +56,7 @@ import trio
 
 from metadata.ckptcheck import manifest_ranks
 from metadata.ckptformat import file_fields, pack_files
+from metadata.conn import Conn, Link, SocketLink, StreamLink
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.groupcommit import GroupCommit
 from metadata.protocol import (
@@ -65,7 +69,6 @@ from metadata.protocol import (
     FrameDecoder,
     ProtocolError,
     encode,
-    encode_answer,
     encode_frame,
     parse_commit,
     parse_hello,
@@ -86,13 +89,15 @@ MAX_HANDSHAKES = 4096  # connections waiting for their hello; past it the oldest
 # none idle the newcomer is refused with EBUSY (the client tries the next replica, backing
 # off within its retry window). `meta serve --idle-timeout / --max-connections`; the
 # defaults (IDLE_TIMEOUT, MAX_CONNECTIONS) live in protocol.py.
-MAX_INFLIGHT_PER_CONN = 4096  # requests read and not yet answered
-OUT_MAX = 32 << 20  # answer bytes queued for a connection before its requests wait
 IDEM_KEEP = 200_000
 MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
 PRUNE_EVERY = 60.0  # seconds between deletions of request ids past requests.REQUEST_KEEP_S
+IDLE_CHECK_MAX = 5.0  # seconds between two walks of the idle connections, at most
+ACCEPT_PAUSE = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+ACCEPT_SLEEP = 0.1
+YIELD_ACCEPTS = 64  # connections accepted between two checkpoints of the accept loop
 GC_GEN0 = 50_000  # allocations between young-generation collections (default 700)
 SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits
 # Reads answered in batches by one thread (readbatch.py); the others are special-cased.
@@ -115,6 +120,14 @@ def absolute_config(config: dict, base_dir: str | None) -> dict:
         nodes.append(n)
     out["nodes"] = nodes
     return out
+
+
+_HELLO_OK = encode_frame({"ok": True, "proto": PROTO_VERSION})
+
+
+def _check_hello_size(head: bytes) -> None:
+    if len(head) == 4 and int.from_bytes(head, "big") > HELLO_MAX:
+        raise ProtocolError(f"a hello frame is at most {HELLO_MAX} bytes")
 
 
 class _Slot:
@@ -152,81 +165,6 @@ class _Slot:
         if self.error is not None:
             raise self.error
         return self.result
-
-
-class _Conn:
-    """One client connection: answers are queued here and written by one task, coalesced.
-
-    The session reads no more requests while MAX_INFLIGHT_PER_CONN are unanswered or
-    OUT_MAX bytes of answers wait to be written: a client that pipelines requests and
-    never reads the answers stalls only itself. (Bounded by the count alone, such a client
-    grew the service past a gigabyte, since a queued answer freed its request's slot, and
-    held everyone else's requests behind its answers.) A slot is freed when its answer is
-    queued, not written: a client that resends many requests before it reads again (after
-    a reconnect) must not wait for the service while the service waits for it."""
-
-    def __init__(self, stream: trio.abc.Stream, counters: ServiceStats | None = None) -> None:
-        self.stream = stream
-        self.counters = counters
-        self.out: list[bytes] = []
-        self.out_bytes = 0
-        self.wake = trio.Event()
-        self.inflight = 0
-        self.drained = trio.Event()
-        self.closed = False
-        self.scope = trio.CancelScope()  # cancelled to close an idle connection
-        self.idle_closed = False
-
-    @property
-    def full(self) -> bool:
-        return self.inflight >= MAX_INFLIGHT_PER_CONN or self.out_bytes > OUT_MAX
-
-    def send(self, body: bytes) -> None:
-        if self.closed:
-            return
-        self.out.append(len(body).to_bytes(4, "big"))
-        self.out.append(body)
-        self.out_bytes += 4 + len(body)
-        self.wake.set()
-
-    def reply(
-        self, rid: int, outcome: _Slot | tuple[Any, BaseException | None], method: str
-    ) -> None:
-        """Answer request `rid` from an outcome (result or error); frees its in-flight slot."""
-        result, error = (outcome.result, outcome.error) if isinstance(outcome, _Slot) else outcome
-        self.inflight -= 1
-        if self.counters is not None:
-            self.counters.reply(method, error)
-        try:
-            if error is None:
-                body = encode_answer(rid, result)
-            else:
-                body = encode([rid, *_error_reply(method, error)])
-        except Exception as e:  # noqa: BLE001 - an unencodable result must not kill the conn
-            log.exception("cannot encode the answer of %s", method)
-            body = encode([rid, errno.EIO, f"{method}: unencodable result: {e}"])
-        self.send(body)
-        if not self.full:
-            self.drained.set()
-
-    async def writer(self) -> None:
-        while True:
-            await self.wake.wait()
-            self.wake = trio.Event()
-            data, self.out = b"".join(self.out), []
-            if data:
-                await self.stream.send_all(data)
-            self.out_bytes -= len(data)
-            if not self.full:
-                self.drained.set()
-
-
-def _error_reply(method: str, e: BaseException) -> tuple[int, str]:
-    if isinstance(e, MetaError):
-        return e.errno or errno.EIO, str(e)
-    if isinstance(e, TypeError | ValueError):
-        return errno.EINVAL, f"bad arguments for {method}: {e}"
-    return errno.EIO, str(internal_error(method, e))
 
 
 def _commit_args(
@@ -330,7 +268,7 @@ class MetaService:
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
         # authenticated connections, least recently active first
-        self._authed: OrderedDict[_Conn, None] = OrderedDict()
+        self._authed: OrderedDict[Conn, None] = OrderedDict()
         self.stats = {
             "requests": 0,
             "inline": 0,
@@ -368,8 +306,43 @@ class MetaService:
             nursery.start_soon(self._group.run)
             nursery.start_soon(self._reads.run)
             nursery.start_soon(self._expirer)
-            task_status.started(listeners[0].socket.getsockname()[1])
-            await trio.serve_listeners(self._handle, listeners)
+            nursery.start_soon(self._reap_idle)
+            bound = listeners[0].socket.getsockname()[1]
+            for listener in listeners:  # accepted here as plain sockets (conn.py says why)
+                sock = socket.socket(fileno=listener.socket.detach())
+                sock.setblocking(False)
+                nursery.start_soon(self._accept, sock, nursery)
+            task_status.started(bound)
+
+    async def _accept(self, listener: socket.socket, nursery: trio.Nursery) -> None:
+        """Accept every connection waiting, then wait for the next; a full descriptor table
+        pauses accepting instead of failing the service."""
+        try:
+            n = 0
+            while True:
+                try:
+                    sock, addr = listener.accept()
+                except BlockingIOError:
+                    n = 0
+                    await trio.lowlevel.wait_readable(listener)
+                    continue
+                except OSError as e:
+                    if e.errno in ACCEPT_PAUSE:
+                        log.error("accepting a connection: %s; pausing %g s", e, ACCEPT_SLEEP)
+                        await trio.sleep(ACCEPT_SLEEP)
+                    continue  # the client gave up before the accept (ECONNABORTED, ...)
+                sock.setblocking(False)
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
+                nursery.start_soon(self._handle, SocketLink(sock), addr)
+                n += 1
+                if n % YIELD_ACCEPTS == 0:  # a storm of connects: let the accepted ones run
+                    await trio.lowlevel.checkpoint()
+        finally:
+            trio.lowlevel.notify_closing(listener)
+            listener.close()
 
     async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
         return await trio.to_thread.run_sync(partial(fn, *args, **kw), limiter=self.limiter)
@@ -398,77 +371,86 @@ class MetaService:
         finally:
             self._hello_waits.pop(key, None)
 
-    async def _handle(self, tcp: trio.SocketStream) -> None:
+    async def _handle(self, link: Link, addr: Any) -> None:
         self.connections += 1
-        peer = "?"
-        stream: trio.abc.Stream = tcp
+        peer = "{}:{}".format(*addr[:2]) if isinstance(addr, tuple) else str(addr)
         try:
-            peer = "{}:{}".format(*tcp.socket.getpeername()[:2])
             if self._tls is not None:
-                tls = await self._start_tls(tcp, peer)
+                tls = await self._start_tls(link, peer)
                 if tls is None:
                     return
-                stream = tls
-            await self._session(stream, peer)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
-            pass
+                link = tls
+            await self._session(link, peer)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # the client went away (OSError: a reset, a keepalive timeout, ...)
         except ProtocolError as e:
             self.stats["bad_clients"] += 1
             log.info("dropping %s: %s", peer, e)
             try:
-                await stream.send_all(encode_frame([0, errno.EPROTO, str(e)]))
+                await link.send_all(encode_frame([0, errno.EPROTO, str(e)]))
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         except Exception:  # a bug must not take the service down
             log.exception("connection %s failed", peer)
         finally:
             self.connections -= 1
-            await trio.aclose_forcefully(stream)
+            await link.aclose()
 
-    async def _start_tls(self, tcp: trio.SocketStream, peer: str) -> trio.SSLStream | None:
+    async def _start_tls(self, link: Link, peer: str) -> StreamLink | None:
         """TLS over this connection, once its first byte says the client speaks TLS; None
         when the client is gone or did not. A plain client is told so in plain text, and
         gives up (EPROTO) instead of taking a dropped connection for a network fault and
         retrying forever. (The TLS handshake itself runs in the hello's first receive.)"""
+        assert isinstance(link, SocketLink)
         with self._waiting_for_hello():
-            first = await tcp.socket.recv(1, socket.MSG_PEEK)
+            first = await link.peek()
             if first and first != b"\x16":  # not a TLS handshake record
                 self.stats["bad_clients"] += 1
                 log.info("dropping %s: a client without TLS", peer)
-                await tcp.send_all(
+                await link.send_all(
                     encode_frame(
                         {"ok": False, "errno": errno.EPROTO,
                          "error": "this service speaks TLS: add ?ca=PATH or ?tls=1 to the URL"}
                     )
                 )  # fmt: skip
                 return None
-            return trio.SSLStream(tcp, self._tls, server_side=True) if first else None
+            if not first:
+                return None
+            return StreamLink(trio.SSLStream(link.stream(), self._tls, server_side=True))
         raise ProtocolError("no TLS handshake in time (or too many connections waiting)")
 
-    async def _session(self, stream: trio.abc.Stream, peer: str) -> None:
+    async def _session(self, link: Link, peer: str) -> None:
         dec = FrameDecoder(self.max_frame)
         frames: list[bytes | memoryview] = []
         head = b""  # the hello's frame header
-        with self._waiting_for_hello() as scope:
-            while not frames:
-                try:  # with TLS, the first receive runs its handshake
-                    data = await stream.receive_some(65536)
-                except trio.BrokenResourceError as e:
-                    if isinstance(e.__cause__, ssl.SSLError):  # e.g. a client without TLS
-                        raise ProtocolError(f"TLS: {e.__cause__.reason or e.__cause__}") from None
-                    raise
-                if not data:
-                    return
-                if len(head) < 4:  # refuse a big hello before reading it, let alone decoding
-                    head += data[: 4 - len(head)]
-                    if len(head) == 4 and int.from_bytes(head, "big") > HELLO_MAX:
-                        raise ProtocolError(f"a hello frame is at most {HELLO_MAX} bytes")
-                frames = dec.feed(data)
-        if scope.cancelled_caught:
-            raise ProtocolError("no hello in time (or too many connections waiting for theirs)")
+        data = link.try_receive(65536)  # a client says hello with its connect: mostly here
+        if data is not None:
+            if not data:
+                return
+            head = data[:4]
+            _check_hello_size(head)
+            frames = dec.feed(data)
+        if not frames:
+            with self._waiting_for_hello() as scope:
+                while not frames:
+                    try:  # with TLS, the first receive runs its handshake
+                        data = await link.receive(65536)
+                    except trio.BrokenResourceError as e:
+                        if isinstance(e.__cause__, ssl.SSLError):  # e.g. a client without TLS
+                            why = e.__cause__.reason or e.__cause__
+                            raise ProtocolError(f"TLS: {why}") from None
+                        raise
+                    if not data:
+                        return
+                    if len(head) < 4:  # refuse a big hello before reading, let alone decoding
+                        head += data[: 4 - len(head)]
+                        _check_hello_size(head)
+                    frames = dec.feed(data)
+            if scope.cancelled_caught:
+                raise ProtocolError("no hello in time (or too many connections waiting)")
         hello = parse_hello(frames.pop(0))
         if hello.get("proto") != PROTO_VERSION:
-            await stream.send_all(
+            await link.send_all(
                 encode_frame(
                     {"ok": False, "errno": errno.EPROTO, "proto": PROTO_VERSION,
                      "error": f"protocol version {hello.get('proto')!r} not supported"}
@@ -478,15 +460,15 @@ class MetaService:
         if not hmac.compare_digest(hello["token"].encode(), self._token):
             self.stats["bad_clients"] += 1
             log.warning("wrong token from %s", peer)
-            await stream.send_all(
+            await link.send_all(
                 encode_frame({"ok": False, "errno": errno.EACCES, "error": "wrong token"})
             )
             return
-        conn = _Conn(stream, self.counters)
+        conn = Conn(link, self.counters)
         if not self._admit(conn):
             self.stats["refused_full"] += 1
             log.warning("refusing %s: %d connections, none idle", peer, len(self._authed))
-            await stream.send_all(
+            await link.send_all(
                 encode_frame(
                     {"ok": False, "errno": errno.EBUSY,
                      "error": f"the service holds its maximum of {self.max_connections} "
@@ -494,34 +476,37 @@ class MetaService:
                 )
             )  # fmt: skip
             return
-        await stream.send_all(encode_frame({"ok": True, "proto": PROTO_VERSION}))
+        await link.send_all(_HELLO_OK)
         try:
             with conn.scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(conn.writer)
+                    conn.nursery = nursery
                     while True:
+                        if frames:
+                            conn.last_request = time.monotonic()
+                            if conn in self._authed:  # not closed meanwhile
+                                self._authed.move_to_end(conn)  # the most recently active
                         for body in frames:
                             while conn.full:
                                 conn.drained = trio.Event()
                                 await conn.drained.wait()
                             req = parse_commit(body) or parse_request(body)
-                            if conn in self._authed:  # not closed meanwhile
-                                self._authed.move_to_end(conn)  # the most recently active
                             self._on_request(conn, nursery, req)
-                        data = await self._receive_or_idle(conn, stream)
+                        data = await link.receive(1 << 20)
                         if not data:
                             break
                         frames = dec.feed(data)
                     # The client is gone. Queued commits still complete in the group commit
                     # (a retry on a new connection finds their outcome); tasks stop here.
-                    nursery.cancel_scope.cancel()
+                    if nursery.child_tasks:  # (a cancel costs, even with nothing to stop)
+                        nursery.cancel_scope.cancel()
         finally:
             conn.closed = True
             self._authed.pop(conn, None)
         if conn.idle_closed:
             log.debug("closed %s: idle", peer)
 
-    def _admit(self, conn: _Conn) -> bool:
+    def _admit(self, conn: Conn) -> bool:
         """Count an authenticated connection in, under max_connections.
 
         At the cap the least recently active connection with nothing in flight is closed
@@ -539,27 +524,32 @@ class MetaService:
         self._authed[conn] = None
         return True
 
-    def _close_idle(self, conn: _Conn) -> None:
+    def _close_idle(self, conn: Conn) -> None:
         """Close a connection with nothing in flight: its session leaves its receive loop."""
         self._authed.pop(conn, None)
         conn.idle_closed = True
         conn.scope.cancel()
 
-    async def _receive_or_idle(self, conn: _Conn, stream: trio.abc.Stream) -> bytes:
-        """The next bytes from the client, or b"" once it has sent nothing for idle_timeout
-        with nothing in flight. Without a timeout every client that went quiet (a crashed
-        host behind a NAT, a rank that finished) held a descriptor and a task for good. A
-        connection waiting on a long request (wait_published) is not idle."""
+    async def _reap_idle(self) -> None:
+        """Close connections that sent nothing for idle_timeout with nothing in flight or
+        unsent. Without it every client that went quiet (a crashed host behind a NAT, a
+        rank that finished) held a descriptor and a task for good. The walk starts at the
+        least recently active and stops at the first one that is not idle by age, so it
+        costs what it closes; a connection waiting on a long request (wait_published) is
+        not idle."""
+        every = min(IDLE_CHECK_MAX, self.idle_timeout / 4)
         while True:
-            with trio.move_on_after(self.idle_timeout):
-                return await stream.receive_some(1 << 20)
-            if conn.inflight == 0 and not conn.out:
-                self.stats["idle_closed"] += 1
-                self._close_idle(conn)
-                return b""
+            await trio.sleep(every)
+            old = time.monotonic() - self.idle_timeout
+            for conn in list(self._authed):
+                if conn.last_request > old:
+                    break
+                if conn.inflight == 0 and not conn.out:
+                    self.stats["idle_closed"] += 1
+                    self._close_idle(conn)
 
     # -- dispatch ------------------------------------------------------------------
-    def _on_request(self, conn: _Conn, nursery: trio.Nursery, req: tuple) -> None:
+    def _on_request(self, conn: Conn, nursery: trio.Nursery, req: tuple) -> None:
         """Route one request without a task where possible: the hot ones never wait here."""
         rid, method, args, kwargs, key = req
         self.stats["requests"] += 1
@@ -567,21 +557,21 @@ class MetaService:
             self._group.last_request = time.monotonic()
         conn.inflight += 1
         if method not in REMOTE_METHODS:
-            conn.reply(rid, (None, MetaError(errno.ENOSYS, f"unknown method {method!r}")), method)
+            conn.reply(rid, None, MetaError(errno.ENOSYS, f"unknown method {method!r}"), method)
             return
         slot: _Slot | None = None
         if key is not None and method not in READ_METHODS:  # a read is safe to run again
             prev = self._idem.get(key)
             if prev is not None:  # a retry: answer with the first outcome
-                prev.add(lambda s: conn.reply(rid, s, method))
+                prev.add(lambda s: conn.reply(rid, s.result, s.error, method))
                 return
             slot = self._idem[key] = _Slot()
             while len(self._idem) > IDEM_KEEP:
                 self._idem.popitem(last=False)
-            slot.add(lambda s: conn.reply(rid, s, method))
+            slot.add(lambda s: conn.reply(rid, s.result, s.error, method))
         else:
             slot = _Slot()
-            slot.add(lambda s: conn.reply(rid, s, method))
+            slot.add(lambda s: conn.reply(rid, s.result, s.error, method))
         try:
             if method == "ping":
                 self.stats["inline"] += 1

@@ -251,8 +251,8 @@ def test_a_big_resend_after_a_restart_is_answered(served):
     import signal
     from concurrent.futures import wait
 
+    from metadata.conn import OUT_MAX
     from metadata.protocol import encode_answer
-    from metadata.service import OUT_MAX
 
     c = connect(served.url)
     d = c.create(1, b"d", 0o40755, 0, 0)
