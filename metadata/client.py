@@ -2,7 +2,13 @@
 
 Sync and thread-safe, for worker threads and DCP ranks. One TCP connection
 per client carries pipelined requests from any number of threads; an I/O
-thread owns reading and reconnecting.
+thread owns reading and reconnecting. A client that only makes plain calls
+(a rank of a restarted job: connect, resolve, go) reads each answer on the
+calling thread instead, and starts the I/O thread only when something needs
+it: a pipelined submit, an answer slower than DIRECT_WAIT, a broken
+connection. For a connect, one call and a close the thread and the hand-off
+of every answer between two threads were over half of the client's CPU (its
+restart cost: thousands of ranks at once).
 
 Replicas and failover. A URL may list several service replicas (sharing one
 PostgreSQL database). The client talks to one at a time. When it cannot open
@@ -36,6 +42,7 @@ import logging
 import math
 import os
 import random
+import select
 import socket
 import ssl
 import threading
@@ -68,6 +75,7 @@ KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, probes: a vanished host i
 PERMANENT = (errno.EACCES, errno.EPROTO)  # refusals another replica would repeat
 CALL_TIMEOUT = 600.0
 SEND_SLICE = 256 << 10  # submit_many writes this much at a time
+DIRECT_WAIT = 1.0  # seconds a call reads its answer on its own thread before the I/O thread
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -247,8 +255,9 @@ class RemoteEngine(MetaEngine):
         # A wrong token fails at once; no replica answering, after the retry window.
         sock = self._connect(time.monotonic() + self.retry_for)
         self._sock = sock
-        self._io = threading.Thread(target=self._io_loop, args=(sock,), daemon=True)
-        self._io.start()
+        self._dec = FrameDecoder(self.max_frame)  # the first connection's, shared by both readers
+        self._io: threading.Thread | None = None  # started when a call cannot read for itself
+        self._reading = threading.Lock()  # held by whoever reads: a caller, or the I/O start
 
     # -- connection ----------------------------------------------------------------
     @property
@@ -367,11 +376,49 @@ class RemoteEngine(MetaEngine):
             sock.close()
             raise MetaError(errno.ECONNRESET, f"handshake with {self._where(i)}: {e}") from None
 
-    def _io_loop(self, sock: socket.socket | TlsSocket) -> None:
+    def _start_io(self) -> None:
+        """The I/O thread, from now on the only reader (after a caller reading its own
+        answer is done, with the same frame decoder)."""
+        if self._io is not None:
+            return
+        with self._reading:
+            if self._io is None and not self._closed:
+                with self._lock:
+                    sock = self._sock
+                self._io = threading.Thread(target=self._io_loop, args=(sock,), daemon=True)
+                self._io.start()
+
+    def _read_until(self, fut: Future) -> None:
+        """Read answers on the calling thread until `fut` has one, while they come within
+        DIRECT_WAIT; anything else (slow, broken, TLS) is left to the I/O thread. Every
+        answer read is delivered, whoever asked. A broken connection is shut down, so
+        that the I/O thread starts with a reconnect and resends what is pending."""
+        with self._lock:
+            sock = self._sock
+        if not isinstance(sock, socket.socket):
+            return  # TLS, or reconnecting: the I/O thread
+        poll = select.poll()  # not a socket timeout: other threads may be sending on it
+        poll.register(sock, select.POLLIN)
+        try:
+            while not fut.done():
+                if not poll.poll(DIRECT_WAIT * 1000):
+                    return
+                data = sock.recv(1 << 20)
+                if not data:
+                    raise ConnectionError("the service closed the connection")
+                self._deliver(self._dec.feed(data))
+        except (OSError, ProtocolError):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _io_loop(self, sock: socket.socket | TlsSocket | None) -> None:
         """Read responses; on a broken connection reconnect (the next replica first) and
         resend what is pending."""
         resender: threading.Thread | None = None
         lost = ""
+        dec = self._dec
         while not self._closed:
             if sock is None:
                 gone = self._at  # tried last: the next replica first
@@ -389,7 +436,7 @@ class RemoteEngine(MetaEngine):
                 )
                 resender.start()
             try:
-                self._read(sock)
+                self._read(sock, dec)
                 lost = "the service closed the connection"
             except (OSError, ProtocolError) as e:
                 lost = f"connection lost: {e}"
@@ -407,7 +454,8 @@ class RemoteEngine(MetaEngine):
                 sock.close()
             except OSError:
                 pass
-            sock = None  # type: ignore[assignment]
+            sock = None
+            dec = FrameDecoder(self.max_frame)
 
     def _resend(self, sock: socket.socket | TlsSocket) -> None:
         """After a reconnect: make `sock` the connection and send every pending request
@@ -425,20 +473,22 @@ class RemoteEngine(MetaEngine):
             except OSError:
                 pass  # the reader notices
 
-    def _read(self, sock: socket.socket | TlsSocket) -> None:
-        dec = FrameDecoder(self.max_frame)
+    def _read(self, sock: socket.socket | TlsSocket, dec: FrameDecoder) -> None:
         while True:
             data = sock.recv(1 << 20)
             if not data:
                 return
-            for body in dec.feed(data):
-                msg = decode(body)
-                if not isinstance(msg, list) or len(msg) != 3:
-                    raise ProtocolError("bad response")
-                rid, code, payload = msg
-                if rid == 0:  # the service rejected our stream
-                    raise ProtocolError(f"service: {payload}")
-                self._on_answer(rid, code, payload)
+            self._deliver(dec.feed(data))
+
+    def _deliver(self, bodies: list[bytes | memoryview]) -> None:
+        for body in bodies:
+            msg = decode(body)
+            if not isinstance(msg, list) or len(msg) != 3:
+                raise ProtocolError("bad response")
+            rid, code, payload = msg
+            if rid == 0:  # the service rejected our stream
+                raise ProtocolError(f"service: {payload}")
+            self._on_answer(rid, code, payload)
 
     def _on_answer(self, rid: int, code: int, payload: Any) -> None:
         """Hand the answer of request `rid` to its caller. (Tests override this to lose an
@@ -508,8 +558,9 @@ class RemoteEngine(MetaEngine):
             out.append((rid, method, fr))
         return out
 
-    def submit_encoded(self, encoded: list[tuple]) -> list[Future]:
-        """Send requests from `encode_many` (each once), pipelined in SEND_SLICE writes."""
+    def submit_encoded(self, encoded: list[tuple], *, reader: bool = True) -> list[Future]:
+        """Send requests from `encode_many` (each once), pipelined in SEND_SLICE writes.
+        `reader=False`: the caller reads the answers itself (call)."""
         if self._closed:
             raise MetaError(errno.EBADF, "client is closed")
         if self._fatal is not None:
@@ -536,6 +587,8 @@ class RemoteEngine(MetaEngine):
                     frames, size = [], 0
             if frames:
                 self._send(frames)
+        if reader:
+            self._start_io()
         return futs
 
     def _send(self, frames: list[bytes]) -> None:
@@ -557,7 +610,15 @@ class RemoteEngine(MetaEngine):
         timeout = CALL_TIMEOUT
         if method == "wait_published":
             timeout += float(kwargs.get("timeout", args[2] if len(args) > 2 else 60.0))
-        fut = self.submit(method, *args, **kwargs)
+        (fut,) = self.submit_encoded(self.encode_many([(method, args, kwargs)]), reader=False)
+        if self._io is None and self._reading.acquire(blocking=False):
+            try:
+                if self._io is None:
+                    self._read_until(fut)
+            finally:
+                self._reading.release()
+        if not fut.done() or self._pending:  # slow, lost, or another thread's answers
+            self._start_io()
         try:
             return fut.result(timeout)
         except TimeoutError:
@@ -575,7 +636,12 @@ class RemoteEngine(MetaEngine):
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._io.join(timeout=5)
+        with self._reading:  # a caller reading its answer has given up the socket
+            io = self._io
+        if io is not None:
+            io.join(timeout=5)
+        elif sock is not None:
+            sock.close()
         self._fail_all(MetaError(errno.EBADF, "client closed"))
 
 
