@@ -24,6 +24,7 @@ lives in its namespace.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -42,6 +43,7 @@ from chunkstore.nodes import NodeInfo, ObjectNode, open_node
 from fusefs.client.batch import StagedFile, Timings, read_many, stage_files
 from fusefs.client.volume import Volume
 from metadata.checkpoints import unpack_extents
+from metadata.engine import MetaError
 
 PROGRESS_EVERY = 0.25
 
@@ -432,14 +434,18 @@ def _load_rec(host: Host, rank: int, start: float, *, error: str = "") -> dict:
 
 # -- resume ----------------------------------------------------------------------------------
 def resolve(url: str, job: str, rank: int, retry_for: float) -> tuple[int | None, Any]:
-    """What one rank of a restarted job does first, on a connection of its own: find the
-    latest durable step, then its own part of that step's manifest."""
+    """What one rank of a restarted job does first, on a connection of its own: its part of
+    the manifest of the latest durable step, in one request (step None)."""
     from metadata.client import connect
 
     meta = connect(url, retry_for=retry_for)
     try:
-        step = meta.latest_durable(job)
-        return step, None if step is None else meta.manifest(job, step, rank=rank)
+        man = meta.manifest(job, None, rank=rank)
+        return man["step"], man
+    except MetaError as e:
+        if e.errno == errno.ENOENT:  # no durable step: the verdict names it
+            return None, None
+        raise
     finally:
         meta.close()
 

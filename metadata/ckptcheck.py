@@ -91,6 +91,13 @@ def check_int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
 MANIFEST_RANKS_MAX = 65536  # ranks one manifest request may name (a host has far fewer)
 
 
+def no_durable_step(job: str) -> MetaError:
+    """What a manifest of the latest durable step answers when there is none."""
+    return MetaError(
+        errno.ENOENT, f"{job} has no durable step (none published, or none on the nodes yet)"
+    )
+
+
 def manifest_ranks(rank: Any, ranks: Any) -> list[int] | None:
     """The ranks a manifest request asks for (None: the whole step), checked: one `rank`,
     or a list `ranks` of at most MANIFEST_RANKS_MAX distinct ranks; not both."""

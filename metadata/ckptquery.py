@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from metadata.checkpoints import PUBLISHED, STATE_NAMES, rank_ranges
-from metadata.ckptcheck import check_job, manifest_ranks
+from metadata.ckptcheck import check_job, manifest_ranks, no_durable_step
 from metadata.ckptformat import INO, blob_chunk_ids
 from metadata.engine import (
     STAGED,
@@ -163,12 +163,19 @@ class CheckpointQueryMixin:
         return head, by_rank
 
     def manifest(
-        self, job: str, step: int, rank: int | None = None, ranks: list[int] | None = None
+        self, job: str, step: int | None, rank: int | None = None, ranks: list[int] | None = None
     ) -> dict:
         """Every file of a published step with packed extents; or one rank's (`rank`); or
         those of a host's ranks in one answer (`ranks`, in that order; each file names its
-        rank): a host that reads for many ranks asks once instead of once per rank."""
+        rank): a host that reads for many ranks asks once instead of once per rank.
+
+        `step` None: the latest durable step's (its number is the answer's "step"), so a
+        rank of a restarted job finds what to read in one request, not two."""
         only = manifest_ranks(rank, ranks)  # bad arguments: refused before any read
+        if step is None:
+            step = self.latest_durable(job)
+            if step is None:
+                raise no_durable_step(job)
         head, by_rank = self.manifest_parts(job, step)
         if only is None:
             files = [f for r in sorted(by_rank) for f in by_rank[r]]

@@ -54,7 +54,7 @@ from typing import Any
 import msgspec
 import trio
 
-from metadata.ckptcheck import manifest_ranks
+from metadata.ckptcheck import manifest_ranks, no_durable_step
 from metadata.ckptformat import file_fields, pack_files
 from metadata.conn import Conn, Link, SocketLink, StreamLink
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
@@ -585,10 +585,12 @@ class MetaService:
                 return
             if method == "manifest":
                 job, step, only = _manifest_args(*args, **kwargs)
-                entry = self._manifests.get((job, step))
-                if entry is not None and entry.done and entry.error is None:
-                    self.stats["inline"] += 1
-                    slot.set(self._manifest_answer(entry.result, only))
+                if step is None:  # the latest durable step's: its number first, batched
+                    found = _Slot()
+                    found.add(lambda s: self._manifest_of(s, job, only, slot))
+                    self._reads.submit("latest_durable", [job], {}, found)
+                    return
+                if self._manifest_inline(job, step, only, slot):
                     return
                 args, kwargs = [job, step, only], {}  # checked once: _manifest takes `only`
             elif method in BATCHED_READS:
@@ -598,6 +600,29 @@ class MetaService:
             slot.set(error=e)  # bad arguments: an outcome, like any engine refusal
             return
         nursery.start_soon(self._task, method, args, kwargs, key, slot)
+
+    def _manifest_inline(self, job: str, step: int, only: list[int] | None, slot: _Slot) -> bool:
+        """Answer a manifest request from the step's encoding, if it is built."""
+        entry = self._manifests.get((job, step))
+        if entry is None or not entry.done or entry.error is not None:
+            return False
+        self.stats["inline"] += 1
+        slot.set(self._manifest_answer(entry.result, only))
+        return True
+
+    def _manifest_of(self, found: _Slot, job: str, only: list[int] | None, slot: _Slot) -> None:
+        """The second half of a manifest request for the latest durable step, once the
+        batched read found its number: answered inline, or built (in the service's
+        nursery: the connection may be gone, the encoding is kept for the next)."""
+        if found.error is not None:
+            slot.set(error=found.error)
+        elif found.result is None:
+            slot.set(error=no_durable_step(job))
+        elif not self._manifest_inline(job, found.result, only, slot):
+            assert self._nursery is not None
+            self._nursery.start_soon(
+                self._task, "manifest", [job, found.result, only], {}, None, slot
+            )
 
     async def _task(
         self, method: str, args: list, kwargs: dict, key: bytes | None, slot: _Slot

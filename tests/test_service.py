@@ -447,10 +447,27 @@ def test_manifest_encoded_from_commits_equals_the_engines(tmp_path, meta_server)
                 c.manifest("mf", 1, **kw)
             bad.append(e.value.errno)
         assert bad == [errno.EINVAL] * 5
+        # step None: the latest durable step's, in one request (a restarted job's ranks)
+        with pytest.raises(MetaError) as e:
+            c.manifest("nojob", None, rank=0)
+        assert e.value.errno == errno.ENOENT and "no durable step" in str(e.value)
+        assert c.latest_durable("mf") == 1  # its chunks were committed on the nodes
+        latest = [c.manifest("mf", None, rank=r) for r in range(3)]
+        assert latest == per_rank and latest[0]["step"] == 1
+    finally:
+        c.close()
+    srv.restart()  # nothing encoded in the new process: the step is read and built first
+    c = connect(srv.url)
+    try:
+        assert c.manifest("mf", None, ranks=[1, 0]) == host_of([1, 0], per_rank)
     finally:
         c.close()
     local = Volume.open(str(tmp_path / "vol"))
     try:
+        assert local.meta.manifest("mf", None, rank=2) == per_rank[2]
+        with pytest.raises(MetaError) as e:
+            local.meta.manifest("nojob", None)
+        assert e.value.errno == errno.ENOENT
         want = local.meta.manifest("mf", 1)
         assert remote == want
         for r in range(3):
@@ -463,6 +480,11 @@ def test_manifest_encoded_from_commits_equals_the_engines(tmp_path, meta_server)
         assert e.value.errno == errno.EINVAL
     finally:
         local.close()
+
+
+def host_of(ranks: list[int], per_rank: list[dict]) -> dict:
+    """What a manifest request for `ranks` answers, from the one-rank answers."""
+    return {**per_rank[ranks[0]], "files": [f for r in ranks for f in per_rank[r]["files"]]}
 
 
 def test_joined_manifest_slices_decode_as_one_list():
