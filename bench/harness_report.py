@@ -34,14 +34,15 @@ def breakdown(hosts: list[dict], t0: float, measured: float | None, tail: str = 
     the host's last answer; so the parts add up to the measured time only if nothing else
     took time in between (a thread hand-off, the loop busy elsewhere, a slow scheduler):
     `gap` is that rest, `error` its share. Thread-seconds (the verify time summed over the
-    pool's workers) are shown beside, not added."""
+    pool's workers) and work that ran beside the phases on the clock ("beside", a resume's
+    volume opening and resolving) are shown aside, not added."""
     if not hosts or not measured:
         return None
     h = max(hosts, key=lambda x: x["last"])
     parts = {"start": h["began"] - t0}
     aside = {}
     for k, v in h["phases"].items():
-        (aside if "thread-s" in k else parts)[k] = v
+        (aside if "thread-s" in k or "beside" in k else parts)[k] = v
     if tail:
         parts[tail] = max(0.0, t0 + measured - h["last"])
     total = sum(parts.values())

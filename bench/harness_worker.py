@@ -31,7 +31,7 @@ import os
 import threading
 import time
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -453,44 +453,61 @@ def resolve(url: str, job: str, rank: int, retry_for: float) -> tuple[int | None
 async def resume_host(
     st: WorkerState, host: Host, _step: int, start: float, out: list, info: list
 ) -> None:
-    """A restarted job on this host: the host's volume opened afresh (its tier adopting the
-    staging directory it left), every rank resolving latest_durable and its manifest on a
-    connection of its own (as many at once as the pool has workers), then the shards read
-    and verified wave by wave."""
+    """A restarted job on this host: every rank resolving its part of the latest durable
+    step's manifest on a connection of its own (as many at once as the pool has workers),
+    beside the host's volume opening afresh (its tier adopting the staging directory it
+    left: a rank does not wait for it to ask), then the shards read and verified wave by
+    wave. (Reading each wave as soon as it resolved, beside the next ones' resolving, was
+    tried: on 2 cores the extra threads cost more than the overlap won, 2.80 s against
+    1.93 s for 2,048 ranks.)"""
     cfg = st.cfg
     phases: Timings = {}
     began = time.time()
     for k in host.counted:  # what the old connection counted stays in the report
         host.counted[k] += int(getattr(host.vol.meta, k, 0) or 0)
+    workers = host.vol.workers
     await trio.to_thread.run_sync(host.vol.close)  # the old process is gone first: the new
-    t = time.perf_counter()  # tier adopts its journal, as after a real restart
-    if host.vol.tier is not None:  # what the old tier uploaded, its close included
-        host.uploaded_before += host.vol.tier.uploaded_bytes
-    try:
-        host.vol = await trio.to_thread.run_sync(lambda: open_host(cfg, host.index, host.ranks).vol)
-    except Exception as e:  # recorded for every rank of the host: the verdict fails
-        for rank in host.ranks:
-            out.append(_load_rec(host, rank, start, error=f"reopening the host: {e}"))
-        return
-    phases["open volume"] = time.perf_counter() - t
-    t = time.perf_counter()
+    if host.vol.tier is not None:  # tier adopts its journal, as after a real restart
+        host.uploaded_before += host.vol.tier.uploaded_bytes  # (its close's uploads included)
+    t0 = time.perf_counter()
     url = cfg.get("urls", {}).get(host.index) or cfg["url"]
     deadline = time.monotonic() + cfg["phase_timeout"]
+    failed: list[Exception] = []  # the volume did not open
+
+    def one(rank: int) -> tuple[int | None, Any] | Exception:
+        left = deadline - time.monotonic()  # a thread cannot be cancelled: bound it here
+        if left <= 0:
+            return TimeoutError("no time left in the phase")
+        try:
+            return resolve(url, cfg["job"], rank, retry_for=min(60.0, left))
+        except Exception as e:  # noqa: BLE001 - recorded per rank
+            return e
 
     def resolve_all() -> list[tuple[int | None, Any] | Exception]:
-        def one(rank: int) -> tuple[int | None, Any] | Exception:
-            left = deadline - time.monotonic()  # a thread cannot be cancelled: bound it here
-            if left <= 0:
-                return TimeoutError("no time left in the phase")
-            try:
-                return resolve(url, cfg["job"], rank, retry_for=min(60.0, left))
-            except Exception as e:  # noqa: BLE001 - recorded per rank
-                return e
+        with ThreadPoolExecutor(workers, "resolve") as pool:
+            return list(pool.map(one, host.ranks))
 
-        return list(host.vol.pool.map(one, host.ranks))
+    async def open_volume() -> None:
+        try:
+            host.vol = await trio.to_thread.run_sync(
+                lambda: open_host(cfg, host.index, host.ranks).vol
+            )
+        except Exception as e:  # recorded for every rank of the host: the verdict fails
+            failed.append(e)
+        phases["open volume (beside, s)"] = time.perf_counter() - t0
 
-    got = await trio.to_thread.run_sync(resolve_all)
-    phases["connect+resolve"] = time.perf_counter() - t
+    got: list = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(open_volume)
+        got = await trio.to_thread.run_sync(resolve_all)
+        phases["connect+resolve"] = time.perf_counter() - t0
+    if failed:
+        for rank in host.ranks:
+            out.append(_load_rec(host, rank, start, error=f"reopening the host: {failed[0]}"))
+        return
+    phases["open volume (after the resolves)"] = (
+        time.perf_counter() - t0 - phases["connect+resolve"]
+    )
     found: dict[int, tuple[int, Any]] = {}
     for rank, res in zip(host.ranks, got, strict=True):
         if isinstance(res, Exception):
