@@ -466,9 +466,11 @@ async def resume_host(
     for k in host.counted:  # what the old connection counted stays in the report
         host.counted[k] += int(getattr(host.vol.meta, k, 0) or 0)
     workers = host.vol.workers
+    t0 = time.perf_counter()
     await trio.to_thread.run_sync(host.vol.close)  # the old process is gone first: the new
     if host.vol.tier is not None:  # tier adopts its journal, as after a real restart
         host.uploaded_before += host.vol.tier.uploaded_bytes  # (its close's uploads included)
+    phases["close the old volume"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     url = cfg.get("urls", {}).get(host.index) or cfg["url"]
     deadline = time.monotonic() + cfg["phase_timeout"]

@@ -277,6 +277,43 @@ def test_a_big_resend_after_a_restart_is_answered(served):
     c.close()
 
 
+def test_a_plain_call_reads_its_own_answer_and_hands_over_when_it_must(served):
+    """A client that only makes plain calls reads each answer on the calling thread (no I/O
+    thread: a restarted rank's connect, call and close). An answer slower than DIRECT_WAIT
+    and a connection broken under a call go to the I/O thread, which reconnects and
+    resends: the call still returns its answer."""
+    import signal
+
+    from metadata.client import DIRECT_WAIT
+
+    c = connect(served.url)
+    try:
+        assert c.call("ping") is None and c.getattr(1).is_dir
+        assert c._io is None, "a plain call started the I/O thread"
+        c.begin("slow", 1, 1)
+        t0 = time.monotonic()
+        with pytest.raises(MetaError) as e:  # answered after DIRECT_WAIT: by the I/O thread
+            c.wait_published("slow", 1, DIRECT_WAIT + 0.5)
+        assert e.value.errno == errno.ETIMEDOUT and time.monotonic() - t0 >= DIRECT_WAIT
+        assert c._io is not None
+    finally:
+        c.close()
+    c = connect(served.url)
+    try:
+        assert c.call("ping") is None and c._io is None
+        served.proc.send_signal(signal.SIGSTOP)  # the next call waits on a silent service
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(c.getattr(1)), daemon=True)
+        t.start()
+        time.sleep(0.2)
+        served.restart()  # SIGKILL, then a new service on the same port
+        t.join(60)
+        assert got and got[0].is_dir, "the call under a broken connection got no answer"
+        assert c.reconnects >= 1
+    finally:
+        c.close()
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.binary(max_size=64), max_size=8), st.integers(1, 1 << 16))
 def test_frame_decoder_fuzz(chunks, max_frame):
