@@ -24,7 +24,6 @@ lives in its namespace.
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
@@ -43,7 +42,6 @@ from chunkstore.nodes import NodeInfo, ObjectNode, open_node
 from fusefs.client.batch import StagedFile, Timings, read_many, stage_files
 from fusefs.client.volume import Volume
 from metadata.checkpoints import unpack_extents
-from metadata.engine import MetaError
 
 PROGRESS_EVERY = 0.25
 
@@ -439,13 +437,9 @@ def resolve(url: str, job: str, rank: int, retry_for: float) -> tuple[int | None
     from metadata.client import connect
 
     meta = connect(url, retry_for=retry_for)
-    try:
+    try:  # no durable step: ENOENT, recorded for the rank as any error is
         man = meta.manifest(job, None, rank=rank)
         return man["step"], man
-    except MetaError as e:
-        if e.errno == errno.ENOENT:  # no durable step: the verdict names it
-            return None, None
-        raise
     finally:
         meta.close()
 

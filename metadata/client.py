@@ -565,6 +565,8 @@ class RemoteEngine(MetaEngine):
             raise MetaError(errno.EBADF, "client is closed")
         if self._fatal is not None:
             raise self._fatal
+        if reader:  # before sending: a big pipeline's answers must be read while it is sent
+            self._start_io()
         futs: list[Future] = []
         expires = time.monotonic() + self.retry_for
         with self._send_lock:
@@ -587,8 +589,6 @@ class RemoteEngine(MetaEngine):
                     frames, size = [], 0
             if frames:
                 self._send(frames)
-        if reader:
-            self._start_io()
         return futs
 
     def _send(self, frames: list[bytes]) -> None:
@@ -619,6 +619,8 @@ class RemoteEngine(MetaEngine):
                 self._reading.release()
         if not fut.done() or self._pending:  # slow, lost, or another thread's answers
             self._start_io()
+        if not fut.done() and self._closed:  # closed meanwhile: nobody will answer
+            self._fail_all(MetaError(errno.EBADF, "client closed"))
         try:
             return fut.result(timeout)
         except TimeoutError:
@@ -638,10 +640,12 @@ class RemoteEngine(MetaEngine):
                 pass
         with self._reading:  # a caller reading its answer has given up the socket
             io = self._io
+            if io is None and sock is not None:  # no reader will close it
+                with self._lock:
+                    self._sock = None
+                sock.close()
         if io is not None:
             io.join(timeout=5)
-        elif sock is not None:
-            sock.close()
         self._fail_all(MetaError(errno.EBADF, "client closed"))
 
 

@@ -35,7 +35,8 @@ log = logging.getLogger("ckptfs.meta")
 
 MAX_INFLIGHT_PER_CONN = 4096  # requests read and not yet answered
 OUT_MAX = 32 << 20  # answer bytes queued for a connection before its requests wait
-YIELD_EVERY = 16  # receives that found bytes waiting, between two checkpoints
+YIELD_EVERY = 16  # receives that found bytes waiting, between two checkpoints,
+YIELD_BYTES = 256 << 10  # or this many bytes of them
 
 
 class SocketLink:
@@ -44,19 +45,21 @@ class SocketLink:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self._ready = 0  # receives in a row that did not wait
+        self._ready_bytes = 0  # and their bytes
 
     async def receive(self, n: int) -> bytes:
         while True:
             try:
                 data = self.sock.recv(n)
             except BlockingIOError:
-                self._ready = 0
+                self._ready = self._ready_bytes = 0
                 await trio.lowlevel.wait_readable(self.sock)
                 continue
             self._ready += 1
-            if self._ready >= YIELD_EVERY:  # a client that always has bytes waiting
-                self._ready = 0  # must not keep the loop, nor escape cancellation
-                await trio.lowlevel.checkpoint()
+            self._ready_bytes += len(data)
+            if self._ready >= YIELD_EVERY or self._ready_bytes >= YIELD_BYTES:
+                self._ready = self._ready_bytes = 0  # a client that always has bytes
+                await trio.lowlevel.checkpoint()  # waiting must not keep the loop
             return data
 
     def try_receive(self, n: int) -> bytes | None:
@@ -158,6 +161,11 @@ class Conn:
     def full(self) -> bool:
         return self.inflight >= MAX_INFLIGHT_PER_CONN or self.out_bytes > OUT_MAX
 
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight, queued or being written."""
+        return self.inflight == 0 and self.out_bytes == 0 and not self._writing
+
     def send(self, body: bytes) -> None:
         if self.closed:
             return
@@ -178,9 +186,15 @@ class Conn:
         self._start_writer()
 
     def _start_writer(self) -> None:
-        if not self._writing and self.nursery is not None:
+        """(An answer may come from outside the session, a group commit's or a batched
+        read's, as the session ends: a closed connection starts nothing.)"""
+        if not self._writing and not self.closed and self.nursery is not None:
+            try:
+                self.nursery.start_soon(self._writer)
+            except RuntimeError:  # the session's nursery closed under a late answer
+                self.closed = True
+                return
             self._writing = True
-            self.nursery.start_soon(self._writer)
 
     async def _writer(self) -> None:
         try:

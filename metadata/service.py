@@ -97,6 +97,8 @@ PRUNE_EVERY = 60.0  # seconds between deletions of request ids past requests.REQ
 IDLE_CHECK_MAX = 5.0  # seconds between two walks of the idle connections, at most
 ACCEPT_PAUSE = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 ACCEPT_SLEEP = 0.1
+ACCEPT_SAY_EVERY = 10.0  # seconds between two log lines of a full descriptor table
+ACCEPT_GONE = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
 YIELD_ACCEPTS = 64  # connections accepted between two checkpoints of the accept loop
 GC_GEN0 = 50_000  # allocations between young-generation collections (default 700)
 SWITCH_INTERVAL = 0.001  # seconds a thread may hold the GIL while another waits
@@ -319,6 +321,7 @@ class MetaService:
         pauses accepting instead of failing the service."""
         try:
             n = 0
+            said = -ACCEPT_SAY_EVERY
             while True:
                 try:
                     sock, addr = listener.accept()
@@ -328,9 +331,15 @@ class MetaService:
                     continue
                 except OSError as e:
                     if e.errno in ACCEPT_PAUSE:
-                        log.error("accepting a connection: %s; pausing %g s", e, ACCEPT_SLEEP)
+                        if time.monotonic() - said > ACCEPT_SAY_EVERY:
+                            said = time.monotonic()
+                            log.error("accepting a connection: %s; pausing", e)
                         await trio.sleep(ACCEPT_SLEEP)
-                    continue  # the client gave up before the accept (ECONNABORTED, ...)
+                        continue
+                    if e.errno in ACCEPT_GONE:  # the client gave up before the accept
+                        await trio.lowlevel.checkpoint()
+                        continue
+                    raise
                 sock.setblocking(False)
                 try:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -381,8 +390,10 @@ class MetaService:
                     return
                 link = tls
             await self._session(link, peer)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            pass  # the client went away (OSError: a reset, a keepalive timeout, ...)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError, TimeoutError):
+            pass  # the client went away (a reset, a keepalive timeout, ...)
+        except OSError as e:  # unreachable, or a fault of ours: said, not hidden
+            log.info("dropping %s: %s", peer, e)
         except ProtocolError as e:
             self.stats["bad_clients"] += 1
             log.info("dropping %s: %s", peer, e)
@@ -481,21 +492,10 @@ class MetaService:
             with conn.scope:
                 async with trio.open_nursery() as nursery:
                     conn.nursery = nursery
-                    while True:
-                        if frames:
-                            conn.last_request = time.monotonic()
-                            if conn in self._authed:  # not closed meanwhile
-                                self._authed.move_to_end(conn)  # the most recently active
-                        for body in frames:
-                            while conn.full:
-                                conn.drained = trio.Event()
-                                await conn.drained.wait()
-                            req = parse_commit(body) or parse_request(body)
-                            self._on_request(conn, nursery, req)
-                        data = await link.receive(1 << 20)
-                        if not data:
-                            break
-                        frames = dec.feed(data)
+                    try:
+                        await self._serve_requests(conn, link, dec, frames, nursery)
+                    finally:  # before the nursery closes: a late answer starts no writer
+                        conn.closed = True
                     # The client is gone. Queued commits still complete in the group commit
                     # (a retry on a new connection finds their outcome); tasks stop here.
                     if nursery.child_tasks:  # (a cancel costs, even with nothing to stop)
@@ -505,6 +505,32 @@ class MetaService:
             self._authed.pop(conn, None)
         if conn.idle_closed:
             log.debug("closed %s: idle", peer)
+
+    async def _serve_requests(
+        self,
+        conn: Conn,
+        link: Link,
+        dec: FrameDecoder,
+        frames: list[bytes | memoryview],
+        nursery: trio.Nursery,
+    ) -> None:
+        """Route the connection's requests until the client is gone or the connection is
+        closed (idle, or evicted: then what was read with it is not run)."""
+        while True:
+            if frames:
+                conn.last_request = time.monotonic()
+                if conn in self._authed:  # not closed meanwhile
+                    self._authed.move_to_end(conn)  # the most recently active
+            for body in frames:
+                while conn.full:
+                    conn.drained = trio.Event()
+                    await conn.drained.wait()
+                req = parse_commit(body) or parse_request(body)
+                self._on_request(conn, nursery, req)
+            data = await link.receive(1 << 20)
+            if not data or conn.scope.cancel_called:
+                return
+            frames = dec.feed(data)
 
     def _admit(self, conn: Conn) -> bool:
         """Count an authenticated connection in, under max_connections.
@@ -544,7 +570,7 @@ class MetaService:
             for conn in list(self._authed):
                 if conn.last_request > old:
                     break
-                if conn.inflight == 0 and not conn.out:
+                if conn.idle:
                     self.stats["idle_closed"] += 1
                     self._close_idle(conn)
 

@@ -277,6 +277,36 @@ def test_a_big_resend_after_a_restart_is_answered(served):
     c.close()
 
 
+def test_a_clients_first_pipeline_is_read_while_it_is_sent(served):
+    """A client that made only plain calls has no I/O thread. Its first pipelined submit
+    must start one before sending: 700 readdirs of 1,000 entries (40 MB of answers, past
+    OUT_MAX, so the service stops reading) and then 13 MB of xattr writes left both sides
+    waiting for the other, for good, when the reader came after the sending."""
+    from concurrent.futures import wait
+
+    c = connect(served.url)
+    try:
+        d = c.create(1, b"d", 0o40755, 0, 0)
+        f = c.create(1, b"f", 0o100644, 0, 0)
+        for fut in c.submit_many([("create", (d.ino, b"n%04d" % i, 0o100644, 0, 0), {})
+                                  for i in range(1000)]):  # fmt: skip
+            fut.result(timeout=60)
+        c.close()
+        c = connect(served.url)
+        assert c.getattr(d.ino).is_dir and c._io is None  # plain calls only, so far
+        calls = [("readdir", (d.ino, 0, 1000), {})] * 700
+        calls += [("set_xattr", (f.ino, b"user.x%d" % i, b"v" * 32768), {}) for i in range(400)]
+        futs: list = []
+        sender = threading.Thread(target=lambda: futs.extend(c.submit_many(calls)), daemon=True)
+        sender.start()
+        sender.join(60)
+        assert not sender.is_alive(), "the first pipeline hung: nobody read while it was sent"
+        done, left = wait(futs, timeout=60)
+        assert not left and [len(fut.result()) for fut in futs[:700]] == [1000] * 700
+    finally:
+        c.close()
+
+
 def test_a_plain_call_reads_its_own_answer_and_hands_over_when_it_must(served):
     """A client that only makes plain calls reads each answer on the calling thread (no I/O
     thread: a restarted rank's connect, call and close). An answer slower than DIRECT_WAIT
