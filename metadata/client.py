@@ -6,7 +6,7 @@ thread owns reading and reconnecting. A client that only makes plain calls
 (a rank of a restarted job: connect, resolve, go) reads each answer on the
 calling thread instead, and starts the I/O thread only when something needs
 it: a pipelined submit, an answer slower than DIRECT_WAIT, a broken
-connection. For a connect, one call and a close the thread and the hand-off
+connection, TLS. For a connect, one call and a close the thread and the hand-off
 of every answer between two threads were over half of the client's CPU (its
 restart cost: thousands of ranks at once).
 
