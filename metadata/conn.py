@@ -82,9 +82,7 @@ class SocketLink:
         gone: the session's next receive finds that out and ends the connection)."""
         try:
             return self.sock.sendmsg(parts)
-        except (BlockingIOError, InterruptedError):
-            return 0
-        except OSError:
+        except OSError:  # EAGAIN, or the client gone
             return 0
 
     async def send_all(self, data: bytes | memoryview) -> None:
@@ -169,20 +167,15 @@ class Conn:
     def send(self, body: bytes) -> None:
         if self.closed:
             return
-        head = HEADER.pack(len(body))
+        parts = [HEADER.pack(len(body)), body]
         if not self.out and not self._writing:
-            n = self.link.try_send([head, body])
+            n = self.link.try_send(parts)
             if n == 4 + len(body):
                 return
             if n:  # the rest waits for the writer, as one piece
-                rest = (head + body)[n:] if n < 4 else memoryview(body)[n - 4 :].tobytes()
-                self.out.append(rest)
-                self.out_bytes += len(rest)
-                self._start_writer()
-                return
-        self.out.append(head)
-        self.out.append(body)
-        self.out_bytes += 4 + len(body)
+                parts = [b"".join(parts)[n:]]
+        self.out += parts
+        self.out_bytes += sum(len(p) for p in parts)
         self._start_writer()
 
     def _start_writer(self) -> None:
