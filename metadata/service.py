@@ -304,7 +304,10 @@ class MetaService:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self._tls = ssl_context
-            listeners = await trio.open_tcp_listeners(port, host=host)
+            try:
+                listeners = await trio.open_tcp_listeners(port, host=host)
+            except OSError as e:  # one line naming the address, not "[Errno 98] ..."
+                raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
             nursery.start_soon(self._group.run)
             nursery.start_soon(self._reads.run)
             nursery.start_soon(self._expirer)

@@ -284,7 +284,7 @@ def run_demo(steps: int = 3, keep: bool = False, temp_volume: bool = False) -> i
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise DemoError("the demo needs torch: pip install -e '.[torch]'") from None
+        raise DemoError("the demo needs torch: pip install 'ckptfs[torch]'") from None
     if not os.path.exists("/dev/fuse") or not shutil.which("fusermount3"):
         raise DemoError("the demo needs FUSE 3 (/dev/fuse, fusermount3): run `make install`")
     t0 = time.time()

@@ -247,18 +247,49 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except (UserError, VolumeError, ValueError) as e:
-        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
-    except MetaError as e:
-        print(
-            f"ckptfs: error: {shown(str(e))} ({errno.errorcode.get(e.errno, e.errno)})",
-            file=sys.stderr,
-        )
-    except (ChunkStoreError, NodeError) as e:
-        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
-    except OSError as e:
-        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
-    except KeyboardInterrupt:
+    except BaseException as e:  # noqa: BLE001 - _report re-raises what is not a user's error
+        return _report(sole_error(e))
+
+
+def sole_error(e: BaseException) -> BaseException:
+    """The one error inside (nested) exception groups, or `e` itself.
+
+    trio >= 0.25 raises what fails inside a nursery as an ExceptionGroup, also when only one
+    task failed (the others are cancelled): a taken --listen port or a refused database
+    arrives wrapped. Unwrapped while exactly one error that is not a cancellation is left,
+    so it prints as its one line; a group of several real errors stays a group (a bug)."""
+    while isinstance(e, BaseExceptionGroup):
+        real = [x for x in e.exceptions if not _is_cancellation(x)]
+        if len(real) != 1:
+            return e
+        e = real[0]
+    return e
+
+
+def _is_cancellation(e: BaseException) -> bool:
+    import trio  # noqa: PLC0415 - trio is loaded by any command that makes groups
+
+    if isinstance(e, BaseExceptionGroup):
+        return all(_is_cancellation(x) for x in e.exceptions)
+    return isinstance(e, trio.Cancelled)
+
+
+def _report(e: BaseException) -> int:
+    """One line on stderr for a user's error (its exit status); anything else re-raised."""
+    if isinstance(e, KeyboardInterrupt):
         print("ckptfs: interrupted", file=sys.stderr)
         return 130
-    return 1
+    if isinstance(e, MetaError):
+        code = errno.errorcode.get(e.errno, e.errno) if e.errno else None
+        tail = f" ({code})" if code else ""
+        print(f"ckptfs: error: {shown(str(e))}{tail}", file=sys.stderr)
+        return 1
+    if isinstance(e, OSError) and e.strerror and not isinstance(e, MetaError):
+        # "[Errno 98] ..." is Python's, not the user's: the message, and the file it names
+        text = f"{e.strerror}: {e.filename}" if e.filename is not None else e.strerror
+        print(f"ckptfs: error: {shown(text)}", file=sys.stderr)
+        return 1
+    if isinstance(e, UserError | VolumeError | ValueError | ChunkStoreError | NodeError | OSError):
+        print(f"ckptfs: error: {shown(str(e))}", file=sys.stderr)
+        return 1
+    raise e

@@ -355,7 +355,7 @@ async def run_auto_backups(vol: Any) -> None:
     while True:
         await trio.sleep(auto.check_every)
         # cancellable: a backup in progress never holds up the process's exit
-        await trio.to_thread.run_sync(auto.tick, cancellable=True)
+        await trio.to_thread.run_sync(auto.tick, abandon_on_cancel=True)
 
 
 # -- restoring ------------------------------------------------------------------------
