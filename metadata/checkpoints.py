@@ -529,8 +529,9 @@ class CheckpointMixin:
         journal: dict[tuple[str, int], list[tuple]] = {}
         packed = bytearray(np.array(inos[first:], "<u8"))  # INO records, every file's
         k = 0
-        # new chunks gc may have deleted are refused (leases.py); ranks carry no INLINE ones
-        self._check_leases(c, [bytes(r[0]) for t in fresh for r in CHK.iter_unpack(t[9][2])], now)
+        # new chunks gc may have deleted are refused (leases.py); ranks carry no INLINE ones.
+        # A generator: read only when gc has condemned something at all.
+        self._refuse_doomed(c, (bytes(r[0]) for t in fresh for r in CHK.iter_unpack(t[9][2])))
         for _i, job, step, rank, files, host, digest, new_bytes, closed, parts in fresh:
             size, paths, chunks, refs = parts[:4]
             n = len(files)

@@ -55,7 +55,7 @@ class ChunkRefMixin:
     _lock_named: Any
     _skip_locked: str
     _for_update: str
-    _check_leases: Any
+    _refuse_doomed: Any
     _grant_leases: Any
 
     def _release_extents(self, c: Any, ino: int) -> None:
@@ -203,7 +203,8 @@ class ChunkRefMixin:
             if not a.is_reg:
                 raise MetaError(errno.EISDIR if a.is_dir else errno.EINVAL, "not a regular file")
             now = _now()
-            self._check_leases(c, new_chunks, now)  # none gc may have deleted (leases.py)
+            # none gc may have deleted (leases.py); INLINE ones carry their bytes
+            self._refuse_doomed(c, (ch.chunk_id for ch in new_chunks if ch.state != INLINE))
             self._register_chunks(c, new_chunks, now)
             delta = Counter(e.chunk_id for e in extents)
             self._check_known(c, set(delta) - {ch.chunk_id for ch in new_chunks})

@@ -175,7 +175,7 @@ class SqlEngine(
     UPGRADES = {"inodes": {"alloc": "INTEGER NOT NULL DEFAULT -1"}}
     # tables since the first volumes (made from `_ddl` at open: made lazily, inside a
     # writer's transaction, one held the schema lock for every other writer's first call)
-    TABLES_ADDED = ("inline_data", "chunk_leases")
+    TABLES_ADDED = ("inline_data", "chunk_leases", "chunk_doomed")
 
     def _upgrade_schema(self) -> None:
         """Add the columns a volume made by an older version lacks; called at open, before
@@ -203,6 +203,16 @@ class SqlEngine(
                 for table in tables:  # IF NOT EXISTS: another process may have made it
                     (stmt,) = [s for s in self._ddl() if f" EXISTS {table} (" in s]
                     self._x(c, stmt)
+                if "chunk_doomed" in tables and "chunk_leases" not in tables:
+                    # Before chunk_doomed, gc's condemnations were chunk_leases rows of
+                    # expires <= 0 (condemned: -deadline; lapsed or released: 0). Kept as
+                    # doomed (released for 0): a commit on them stays refused (leases.py).
+                    self._x(
+                        c,
+                        "INSERT INTO chunk_doomed (id, deadline) SELECT id, -expires "
+                        "FROM chunk_leases WHERE expires <= 0 ON CONFLICT (id) DO NOTHING",
+                    )
+                    self._x(c, "DELETE FROM chunk_leases WHERE expires <= 0")
 
     def _add_columns(self, c: Any, table: str, cols: dict[str, str]) -> None:
         """Add each column of `cols` (name -> declaration) that `table` lacks (checked

@@ -64,6 +64,8 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS inline_data (id BLOB PRIMARY KEY, data BLOB NOT NULL)""",
     # leases of chunks stored and not yet committed (metadata/leases.py)
     """CREATE TABLE IF NOT EXISTS chunk_leases (id BLOB PRIMARY KEY, expires INTEGER NOT NULL)""",
+    # what gc condemned, until its deadline (metadata/leases.py); empty but for failed writers
+    """CREATE TABLE IF NOT EXISTS chunk_doomed (id BLOB PRIMARY KEY, deadline INTEGER NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS xattrs (
         ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
         PRIMARY KEY (ino, name)) WITHOUT ROWID""",
