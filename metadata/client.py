@@ -305,10 +305,17 @@ class RemoteEngine(MetaEngine):
                 self._at = i
                 if i != came_from:
                     self.failovers += 1
+                    # One line, each address once: the error names the replica itself
+                    # ("cannot reach the metadata service at ADDR: ..."), and the CLI's
+                    # log format already says "ckptfs: WARNING:".
+                    gone = self._where(came_from)
                     reason = why or errors.get(came_from, "unreachable")
+                    reason = reason.removeprefix(f"{_UNREACHABLE}{gone}: ").removeprefix(
+                        f"handshake with {gone}: "
+                    )
                     log.warning(
-                        "ckptfs meta: %s: %s; failed over to %s",
-                        self._where(came_from), reason, self._where(i),
+                        "metadata service at %s: %s; failed over to %s",
+                        gone, reason, self._where(i),
                     )  # fmt: skip
                 return sock
             if n == 1:
@@ -323,7 +330,7 @@ class RemoteEngine(MetaEngine):
             err = MetaError(errno.ECONNREFUSED, msg)
             if deadline is not None and delay == BACKOFF_MIN:  # a new client, first round
                 log.warning(
-                    "ckptfs meta: %s; retrying for up to %g s (retry= in the URL)",
+                    "%s; retrying for up to %g s (retry= in the URL)",
                     msg, self.retry_for,
                 )  # fmt: skip
             if on_round is not None:

@@ -7,6 +7,7 @@ Every method is one transaction on the engine's connection (`_tx`), or one read
 from __future__ import annotations
 
 import errno
+import os
 import stat
 import time
 from collections import Counter
@@ -71,7 +72,7 @@ class NamespaceMixin:
     def _lookup(self, c: Any, parent: int, name: bytes) -> Attr:
         row = self._one(c, _LOOKUP_SQL, (parent, name))
         if row is None:
-            raise MetaError(errno.ENOENT, f"{name!r} not found")
+            raise MetaError(errno.ENOENT, f"{os.fsdecode(name)!r} not found")
         return attr_of(row)
 
     def _dir(self, c: Any, ino: int) -> Attr:
@@ -289,7 +290,7 @@ class NamespaceMixin:
                 raise MetaError(errno.EINVAL, "cannot move a directory into itself")
             if flags & RENAME_EXCHANGE:
                 if dst is None:
-                    raise MetaError(errno.ENOENT, f"{new_name!r} not found")
+                    raise MetaError(errno.ENOENT, f"{os.fsdecode(new_name)!r} not found")
                 if dst.is_dir and self._is_ancestor(c, dst.ino, parent):
                     raise MetaError(errno.EINVAL, "cannot move a directory into itself")
                 self._x(

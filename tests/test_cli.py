@@ -201,3 +201,48 @@ def test_a_format_that_cannot_reach_a_node_leaves_nothing(tmp_path, existing):
     else:
         assert not vol.exists()
     ckptfs("format", str(vol))  # the path is usable afterwards
+
+
+def test_a_missing_path_is_named_as_written(tmp_path):
+    """get, ls and rm of a missing path name the whole path the user gave, and the missing
+    component when it is not the last (they printed `b'does' not found`)."""
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    src = tmp_path / "src"
+    src.write_bytes(b"abc")
+    ckptfs("put", str(vol), str(src), "/a/b")
+    cases = [
+        (["get", str(vol), "/does/not/exist", str(tmp_path / "x")],
+         "/does/not/exist: not found (/does does not exist)"),
+        (["ls", str(vol), "/does/not"], "/does/not: not found (/does does not exist)"),
+        (["ls", str(vol), "/a/zz"], "/a/zz: not found"),
+        (["rm", str(vol), "/a/q"], "/a/q: not found"),
+        (["ls", str(vol), "/a/b/c"], "/a/b/c: /a/b is not a directory"),
+    ]  # fmt: skip
+    for argv, text in cases:
+        proc = ckptfs(*argv, check=False)
+        _assert_clean_error(proc, text)
+        assert "b'" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_failover_warning_is_one_clean_line(tmp_path, meta_server):
+    """A client whose first listed replica is down says so in one line, each address once,
+    without a second `ckptfs meta:` prefix."""
+    import socket
+
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    srv = meta_server(str(vol))
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    url = f"ckptfs://127.0.0.1:{dead},127.0.0.1:{srv.port}?token_file={srv.token_file}"
+    proc = ckptfs("ls", url, "/")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    line = lines[0]
+    assert line.startswith("ckptfs: WARNING: metadata service at "), line
+    assert line.count(f"127.0.0.1:{dead}") == 1, line
+    assert "ckptfs meta" not in line and "cannot reach" not in line, line
+    assert line.endswith(f"failed over to 127.0.0.1:{srv.port}"), line

@@ -295,6 +295,8 @@ def test_wrong_path_is_file_not_found(service):
     with pytest.raises(FileNotFoundError) as e:
         fs.open("/no/such/file", "rb")
     assert f"ckptfs://127.0.0.1:{service.port}/no/such/file" in str(e.value)
+    # the missing component as a path, never a bytes repr (it said `(b'no' not found)`)
+    assert "(/no does not exist)" in str(e.value) and "b'" not in str(e.value)
     with pytest.raises(FileNotFoundError):
         fs.ls("/nowhere")
 

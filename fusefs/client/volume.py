@@ -105,6 +105,16 @@ def split_path(path: str | bytes) -> list[bytes]:
     return parts
 
 
+def _shown(path: str | bytes) -> str:
+    """A volume path in a message, as the user wrote it (not a bytes repr)."""
+    return os.fsdecode(path)
+
+
+def _prefix(parts: list[bytes], n: int) -> str:
+    """The first n components of a path, as an absolute volume path."""
+    return "/" + "/".join(os.fsdecode(p) for p in parts[:n])
+
+
 class Volume:
     def __init__(
         self,
@@ -288,20 +298,34 @@ class Volume:
     # -- namespace by path ------------------------------------------------
     def resolve(self, path: str | bytes) -> Attr:
         attr = self.meta.getattr(ROOT_INO)
-        for name in split_path(path):
+        parts = split_path(path)
+        for k in range(len(parts)):
             if not attr.is_dir:
-                raise MetaError(errno.ENOTDIR, f"{path!r}: not a directory on the way")
-            attr = self.meta.lookup(attr.ino, name)
+                raise MetaError(
+                    errno.ENOTDIR, f"{_shown(path)}: {_prefix(parts, k)} is not a directory"
+                )
+            attr = self._lookup(attr, path, parts, k)
         return attr
+
+    def _lookup(self, parent: Attr, path: str | bytes, parts: list[bytes], k: int) -> Attr:
+        """parts[k] in `parent`; a missing one is ENOENT naming the whole path as the user
+        gave it, and which component is missing when it is not the last."""
+        try:
+            return self.meta.lookup(parent.ino, parts[k])
+        except MetaError as e:
+            if e.errno != errno.ENOENT:
+                raise
+            where = "" if k == len(parts) - 1 else f" ({_prefix(parts, k + 1)} does not exist)"
+            raise MetaError(errno.ENOENT, f"{_shown(path)}: not found{where}") from None
 
     def _parent(self, path: str | bytes, *, make: bool = False) -> tuple[Attr, bytes]:
         parts = split_path(path)
         if not parts:
             raise MetaError(errno.EINVAL, "the volume root has no parent")
         attr = self.meta.getattr(ROOT_INO)
-        for name in parts[:-1]:
+        for k, name in enumerate(parts[:-1]):
             try:
-                attr = self.meta.lookup(attr.ino, name)
+                attr = self._lookup(attr, path, parts, k)
             except MetaError as e:
                 if e.errno != errno.ENOENT or not make:
                     raise
@@ -314,7 +338,9 @@ class Volume:
                         raise
                     attr = self.meta.lookup(attr.ino, name)
             if not attr.is_dir:
-                raise MetaError(errno.ENOTDIR, f"{name!r} in {path!r} is not a directory")
+                raise MetaError(
+                    errno.ENOTDIR, f"{_shown(path)}: {_prefix(parts, k + 1)} is not a directory"
+                )
         return attr, parts[-1]
 
     def exists(self, path: str) -> bool:
@@ -360,7 +386,8 @@ class Volume:
 
     def unlink(self, path: str) -> None:
         parent, name = self._parent(path)
-        a = self.meta.lookup(parent.ino, name)
+        parts = split_path(path)
+        a = self._lookup(parent, path, parts, len(parts) - 1)
         if a.is_dir:
             self.meta.rmdir(parent.ino, name)
             return

@@ -27,6 +27,10 @@ def as_os_error(err: int, what: str, detail: str) -> OSError:
     """An OSError of the subclass Python maps `err` to, naming `what` and why."""
     if err in _CONNECTION or err == errno.EACCES:
         return OSError(err, detail)  # the client's message already names the service
+    _, found, rest = detail.partition(": not found")
+    if err == errno.ENOENT and found:  # the volume's "PATH: not found (/a does not exist)"
+        rest = rest.strip()
+        return OSError(err, f"{os.strerror(err)}: {what}" + (f" {rest}" if rest else ""))
     return OSError(err, f"{os.strerror(err)}: {what} ({detail})")
 
 
