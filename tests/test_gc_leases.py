@@ -4,13 +4,16 @@ never an unreadable committed file. See metadata/leases.py."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 
 import pytest
 
+from fusefs.client.volume import Volume
 from fusefs.maint.gc import gc
-from metadata.engine import MetaError
+from metadata.engine import DURABLE, ROOT_INO, Extent, MetaError, NewChunk
 
 CHUNK = 64 * 1024
 
@@ -62,3 +65,110 @@ def test_a_commit_naming_chunks_gc_deleted_is_refused(make_volume):
     vol.meta.lease_ttl_s = 600.0
     vol.write_file("/job/f.bin", data, inline=False)
     assert vol.read_file("/job/f.bin") == data
+
+
+# -- the protocol on both engines (issue 38: refuse only what gc condemned) ---------------
+@pytest.fixture(params=["sqlite", "postgres"])
+def meta(request, tmp_path):
+    db = request.getfixturevalue("pg_url") if request.param == "postgres" else None
+    v = Volume.create(str(tmp_path / "vol"), nodes=2, db=db)
+    yield v.meta
+    v.close()
+
+
+def _cid(tag: bytes) -> bytes:
+    return tag.ljust(16, b".")[:16]
+
+
+def _rank(tag: str, cids: list[bytes]) -> list[dict]:
+    ext = [Extent(i * 4, 4, cid) for i, cid in enumerate(cids)]
+    return [{"path": f"{tag}/f", "size": 4 * len(cids), "extents": ext,
+             "new_chunks": [NewChunk(cid, 4, 4, DURABLE) for cid in cids]}]  # fmt: skip
+
+
+def _file(meta, name: str) -> int:
+    return meta.create(ROOT_INO, name.encode(), stat.S_IFREG | 0o644, 0, 0).ino
+
+
+def test_ranks_that_store_the_same_new_chunks_all_commit(meta):
+    """Ranks in separate processes store identical new content in one step (LayerNorm
+    weights of ones, zero biases): each asked, each was leased, each commits. The first
+    commit only journals its chunks; the second was refused when commits ended leases."""
+    shared, own = _cid(b"ones"), [_cid(b"r%d" % r) for r in range(3)]
+    for r in range(3):
+        assert meta.missing_chunks([shared, own[r]]) == {shared, own[r]}
+    meta.begin("job", 1, 3)
+    for r in range(2):
+        res = meta.commit_rank("job", 1, r, _rank(f"rank{r}", [shared, own[r]]))
+        assert res["state"] == "open"
+    # a group of the last rank with a duplicate of the first (its retry) publishes
+    out = meta.commit_ranks(
+        [("job", 1, 2, _rank("rank2", [shared, own[2]]), ""),
+         ("job", 1, 0, _rank("rank0", [shared, own[0]]), "")]
+    )  # fmt: skip
+    assert all(isinstance(o, dict) for o in out), out
+    assert out[0]["state"] == "published"
+    meta.apply_pending()  # the journalled registrations become rows
+    assert not meta.missing_chunks([shared, *own])
+
+
+def test_a_lease_that_lapsed_without_gc_still_commits(meta):
+    """A lapsed lease that gc did not condemn left the object where it was."""
+    meta.lease_ttl_s = 0.2
+    cid = _cid(b"slow-writer")
+    assert meta.missing_chunks([cid]) == {cid}
+    time.sleep(0.4)
+    assert meta.renew_chunk_leases([cid]) == set()  # renewed: nothing condemned it
+    time.sleep(0.4)
+    ino = _file(meta, "f")
+    meta.commit_file(ino, [Extent(0, 4, cid)], 4, [NewChunk(cid, 4, 4, DURABLE)])
+    assert meta.get_extents(ino)[0].chunk_id == cid
+
+
+def test_gc_condemns_only_unleased_and_commits_on_doomed_chunks_are_refused(meta):
+    """gc dooms what has no row and no live lease; a lease granted inside gc's hold keeps
+    the doom (the put may race the delete: its commit is refused, in one line); after the
+    release a new grant clears it and the content commits again."""
+    leased, orphan = _cid(b"leased"), _cid(b"orphan")
+    assert meta.missing_chunks([leased]) == {leased}
+    assert meta.gc_orphan_objects([leased, orphan], 60.0) == {orphan}
+    assert meta.missing_chunks([orphan]) == {orphan}  # granted inside the hold
+    assert meta.renew_chunk_leases([orphan, leased]) == {orphan}  # lost, said at renewal
+    ino = _file(meta, "f")
+    with pytest.raises(MetaError, match="condemned by gc") as e:
+        meta.commit_file(ino, [Extent(0, 4, orphan)], 4, [NewChunk(orphan, 4, 4, DURABLE)])
+    assert e.value.errno == errno.EIO and "\n" not in str(e.value)
+    assert meta.getattr(ino).size == 0  # nothing committed
+    meta.begin("job", 1, 1)
+    with pytest.raises(MetaError, match="condemned by gc"):
+        meta.commit_rank("job", 1, 0, _rank("r0", [orphan]))
+    # the leased chunk commits beside the doom
+    meta.commit_file(ino, [Extent(0, 4, leased)], 4, [NewChunk(leased, 4, 4, DURABLE)])
+    meta.gc_release_objects([orphan])  # gc deleted it
+    assert meta.missing_chunks([orphan]) == {orphan}  # this writer's put comes after
+    meta.commit_rank("job", 1, 0, _rank("r0", [orphan]))
+    meta.apply_pending()
+    assert not meta.missing_chunks([orphan])
+    assert meta.gc_orphan_objects([orphan, leased], 60.0) == set()  # rows now
+
+
+def test_condemned_rows_of_an_older_volume_stay_condemned(tmp_path):
+    """Before chunk_doomed, a condemnation was a chunk_leases row of expires <= 0: an
+    older volume opened by this version keeps refusing commits on them."""
+    path = str(tmp_path / "vol")
+    vol = Volume.create(path, nodes=2)
+    cid = _cid(b"old-doom")
+    with vol.meta._tx() as c:
+        c.execute("DROP TABLE chunk_doomed")
+        c.execute(
+            "INSERT INTO chunk_leases (id, expires) VALUES (?, ?)",
+            (cid, -(time.time_ns() + 60 * 10**9)),
+        )
+    vol.close()
+    vol = Volume.open(path)
+    try:
+        ino = _file(vol.meta, "f")
+        with pytest.raises(MetaError, match="condemned by gc"):
+            vol.meta.commit_file(ino, [Extent(0, 4, cid)], 4, [NewChunk(cid, 4, 4, DURABLE)])
+    finally:
+        vol.close()
