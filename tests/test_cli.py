@@ -246,3 +246,54 @@ def test_failover_warning_is_one_clean_line(tmp_path, meta_server):
     assert line.count(f"127.0.0.1:{dead}") == 1, line
     assert "ckptfs meta" not in line and "cannot reach" not in line, line
     assert line.endswith(f"failed over to 127.0.0.1:{srv.port}"), line
+
+
+def _ckptfs_bytes(*args: str, cwd, stdin: bytes = b"") -> subprocess.CompletedProcess:
+    """The CLI run from `cwd` with binary standard input and output."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "fusefs.cli", *args],
+        input=stdin,
+        capture_output=True,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")},
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_dash_is_standard_input_and_output(tmp_path):
+    """`put VOL - PATH` reads standard input and `get VOL PATH -` writes standard output
+    (get wrote a file named `-`, put could not read a pipe)."""
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol), "--chunk-size", "64KiB")
+    data = os.urandom(300_000)
+    _ckptfs_bytes("put", str(vol), "-", "/piped.bin", cwd=tmp_path, stdin=data)
+    out = _ckptfs_bytes("get", str(vol), "/piped.bin", "-", cwd=tmp_path)
+    assert out.stdout == data
+    assert not (tmp_path / "-").exists()
+    # `./-` is still a file of that name
+    _ckptfs_bytes("get", str(vol), "/piped.bin", "./-", cwd=tmp_path)
+    assert (tmp_path / "-").read_bytes() == data
+
+
+def test_checkpoint_list_columns_fit_long_job_names(tmp_path):
+    """A 27-character job name (the demo's are 26) stays in the JOB column: every row's
+    STEP ends where the header's does (the 20-wide column overflowed and shifted the row)."""
+    from fusefs.client.volume import Volume
+
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    long_job = "demo-20261203-124501-abcdef"
+    with Volume.open(str(vol)) as v:
+        v.meta.begin(long_job, 1, 1)
+        v.meta.commit_rank(long_job, 1, 0, [], host="h")
+        v.meta.begin("j", 12345, 2)
+    lines = ckptfs("checkpoints", str(vol), "list").stdout.splitlines()
+    assert len(lines) == 3
+    end = lines[0].index("STEP") + len("STEP")
+    assert lines[1].startswith(long_job + " ")
+    assert lines[1][:end].endswith(" 1") and lines[2][:end].endswith(" 12345"), lines
+    state = lines[0].index("STATE")
+    assert lines[1][state:].startswith("published") and lines[2][state:].startswith("open")

@@ -73,16 +73,25 @@ def cmd_format(args: argparse.Namespace) -> int:
     return 0
 
 
+STDIO = "-"  # `put VOL - PATH` reads standard input, `get VOL PATH -` writes standard output
+
+
 def cmd_put(args: argparse.Namespace) -> int:
-    try:
-        src = open(args.local_file, "rb")  # noqa: SIM115 - closed below
-    except OSError as e:
-        raise UserError(f"cannot read {args.local_file}: {e.strerror}") from e
+    if args.local_file == STDIO:
+        src = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+        label = "put (stdin)"
+    else:
+        try:
+            src = open(args.local_file, "rb")  # noqa: SIM115 - closed below
+        except OSError as e:
+            raise UserError(f"cannot read {args.local_file}: {e.strerror}") from e
+        label = f"put {os.path.basename(args.local_file)}"
     with src, Volume.open(args.volume) as vol:
-        total = os.fstat(src.fileno()).st_size
+        st = os.fstat(src.fileno())
+        total = st.st_size if stat.S_ISREG(st.st_mode) else 0  # a pipe: no size known
         bufsize = vol.settings.chunk_size
         with (
-            Progress(total, f"put {os.path.basename(args.local_file)}") as bar,
+            Progress(total, label, enabled=None if total else False) as bar,
             vol.open_write(args.vol_path) as w,
         ):
             while True:
@@ -94,8 +103,29 @@ def cmd_put(args: argparse.Namespace) -> int:
     return 0
 
 
+def _get_to_stdout(vol: Volume, r) -> int:
+    """The file's bytes on standard output; a reader that goes away (`| head`) ends it
+    quietly, as it does `cat`."""
+    out = sys.stdout.buffer
+    step = vol.settings.chunk_size
+    try:
+        for off in range(0, r.size, step):
+            out.write(r.pread(off, step))
+        out.flush()
+    except BrokenPipeError:
+        null = os.open(os.devnull, os.O_WRONLY)  # no second error when Python flushes at exit
+        os.dup2(null, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports `cat` killed by it
+    return 0
+
+
 def cmd_get(args: argparse.Namespace) -> int:
     with Volume.open(args.volume) as vol:
+        if args.local_file == STDIO:
+            with vol.open_read(args.vol_path) as r:
+                code = _get_to_stdout(vol, r)
+            _warn_bad_replicas(vol)
+            return code
         with vol.open_read(args.vol_path) as r:
             # Created exclusively, under a name nobody can guess, never through a link: a
             # fixed name let a symlink planted at DEST.ckptfs-partial redirect the write.
@@ -117,13 +147,17 @@ def cmd_get(args: argparse.Namespace) -> int:
                 except OSError:
                     pass
                 raise
-        for bad in vol.store.bad_replicas:
-            print(
-                f"ckptfs: warning: bad replica of chunk {bad.cid.hex()} on node {bad.node}: "
-                f"{bad.reason} (served from another replica)",
-                file=sys.stderr,
-            )
+        _warn_bad_replicas(vol)
     return 0
+
+
+def _warn_bad_replicas(vol: Volume) -> None:
+    for bad in vol.store.bad_replicas:
+        print(
+            f"ckptfs: warning: bad replica of chunk {bad.cid.hex()} on node {bad.node}: "
+            f"{bad.reason} (served from another replica)",
+            file=sys.stderr,
+        )
 
 
 def _mode_str(mode: int) -> str:
@@ -200,14 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("put", help="copy a local file into the volume")
     g.add_argument("volume")
-    g.add_argument("local_file")
+    g.add_argument("local_file", help="a local file, or - for standard input (./- for a file)")
     g.add_argument("vol_path")
     g.set_defaults(func=cmd_put)
 
     g = sub.add_parser("get", help="copy a file out of the volume")
     g.add_argument("volume")
     g.add_argument("vol_path")
-    g.add_argument("local_file")
+    g.add_argument("local_file", help="a local file, or - for standard output (./- for a file)")
     g.set_defaults(func=cmd_get)
 
     g = sub.add_parser("ls", help="list a directory")

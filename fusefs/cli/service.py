@@ -189,13 +189,27 @@ def cmd_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'JOB':20} {'STEP':>8} {'STATE':10} {'RANKS':>11} {'FILES':>7} {'SIZE':>10}  CREATED")
-    for r in rows:
-        ranks = f"{r['committed']}/{r['world_size']}"
-        print(
-            f"{shown(r['job']):20} {r['step']:>8} {r['state']:10} {ranks:>11} {r['files']:>7} "
-            f"{format_size(r['bytes']):>10}  {_when(r['created'])}"
+    # Columns as wide as what they hold (a job name of any length stays in its column).
+    table = [
+        (
+            shown(r["job"]),
+            str(r["step"]),
+            r["state"],
+            f"{r['committed']}/{r['world_size']}",
+            str(r["files"]),
+            format_size(r["bytes"]),
+            _when(r["created"]),
         )
+        for r in rows
+    ]
+    head = ("JOB", "STEP", "STATE", "RANKS", "FILES", "SIZE", "CREATED")
+    width = [max(len(x) for x in col) for col in zip(head, *table, strict=False)]
+    right = (False, True, False, True, True, True, False)
+    for line in (head, *table):
+        cells = [
+            (c.rjust(w) if r else c.ljust(w)) for c, w, r in zip(line, width, right, strict=True)
+        ]
+        print((" ".join(cells[:-1]) + "  " + cells[-1]).rstrip())
     return 0
 
 
