@@ -6,6 +6,8 @@
 # machine's Python: `make test` (and so .ci/run) builds it fresh from pyproject.toml, so the
 # suite runs on the newest releases the dependency ranges allow, what a new user gets.
 # Run anything from it with `.venv/bin/ckptfs ...`, or `. .venv/bin/activate` first.
+# The editable install is a plain path entry (editable_mode=compat), not an import hook, so
+# PYTHONPATH=/another/checkout runs that checkout's code (old-against-new benchmarks do).
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
@@ -20,13 +22,13 @@ system:
 # Create the venv if missing, then bring every package up to the newest allowed release.
 venv: system
 	[ -x $(VPY) ] || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install $(PIP_FLAGS) --upgrade --upgrade-strategy eager -e '.[test,bench]'
+	$(VPY) -m pip install $(PIP_FLAGS) --upgrade --upgrade-strategy eager --config-settings editable_mode=compat -e '.[test,bench]'
 
 # A new venv, built from nothing (what CI and a new user get).
 fresh-venv: system
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install $(PIP_FLAGS) -e '.[test,bench]'
+	$(VPY) -m pip install $(PIP_FLAGS) --config-settings editable_mode=compat -e '.[test,bench]'
 	$(VPY) scripts/versions.py
 
 install: venv
