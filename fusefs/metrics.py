@@ -37,6 +37,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from metadata.periodic import failures
+
 PREFIX = "ckptfs_"
 
 
@@ -50,6 +52,17 @@ def _counter(name: str, doc: str, value: float | None = None, labels=()) -> Coun
 
 def _gauge(name: str, doc: str, value: float | None = None, labels=()) -> GaugeMetricFamily:
     return GaugeMetricFamily(PREFIX + name, doc, value=value, labels=labels or None)
+
+
+def _periodic_failures() -> CounterMetricFamily:
+    """The daemon's periodic tasks (metadata.periodic) whose step raised, by task name (a
+    fixed set: backup, expire, prune_requests, idle_reaper, housekeeping, change_feed)."""
+    fam = _counter(
+        "periodic_failures", "Periodic task steps that failed (retried)", labels=["task"]
+    )
+    for task, n in sorted(failures().items()):
+        fam.add_metric([task], n)
+    return fam
 
 
 class MountCollector(Collector):
@@ -66,6 +79,7 @@ class MountCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
+        yield _periodic_failures()  # backups, housekeeping, the change feed
         fs = self.fs
         if fs is None:
             return
@@ -263,6 +277,7 @@ class ServiceCollector(Collector):
             "meta_group_commit_ranks", "Rank commits written per group commit", c.batch_ranks
         )
         yield _gauge("meta_connections", "Open client connections", svc.connections)
+        yield _periodic_failures()  # expirer, idle reaper, backups
         yield _counter("meta_checkpoints_published", "Steps published", c.published)
         yield _counter(
             "meta_steps_aborted", "Steps aborted (failed rank, request, deadline)", c.aborted

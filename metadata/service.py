@@ -59,6 +59,7 @@ from metadata.ckptformat import file_fields, pack_files
 from metadata.conn import Conn, Link, SocketLink, StreamLink
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.groupcommit import GroupCommit
+from metadata.periodic import run_periodic
 from metadata.protocol import (
     IDLE_TIMEOUT,
     MAX_CONNECTIONS,
@@ -310,8 +311,14 @@ class MetaService:
                 raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
             nursery.start_soon(self._group.run)
             nursery.start_soon(self._reads.run)
-            nursery.start_soon(self._expirer)
-            nursery.start_soon(self._reap_idle)
+            # the periodic loops: a step that raises is logged, counted and retried
+            periodic = partial(run_periodic, log=log)
+            nursery.start_soon(periodic, "expire", self._expire, EXPIRE_EVERY)
+            if getattr(self.engine, "prune_requests", None) is not None:
+                prune = partial(self._run, self.engine.prune_requests)
+                nursery.start_soon(periodic, "prune_requests", prune, PRUNE_EVERY)
+            every = min(IDLE_CHECK_MAX, self.idle_timeout / 4)
+            nursery.start_soon(periodic, "idle_reaper", self._reap_idle, every)
             bound = listeners[0].socket.getsockname()[1]
             for listener in listeners:  # accepted here as plain sockets (conn.py says why)
                 sock = socket.socket(fileno=listener.socket.detach())
@@ -561,21 +568,19 @@ class MetaService:
 
     async def _reap_idle(self) -> None:
         """Close connections that sent nothing for idle_timeout with nothing in flight or
-        unsent. Without it every client that went quiet (a crashed host behind a NAT, a
+        unsent (a periodic step, every min(IDLE_CHECK_MAX, idle_timeout / 4) seconds).
+        Without it every client that went quiet (a crashed host behind a NAT, a
         rank that finished) held a descriptor and a task for good. The walk starts at the
         least recently active and stops at the first one that is not idle by age, so it
         costs what it closes; a connection waiting on a long request (wait_published) is
         not idle."""
-        every = min(IDLE_CHECK_MAX, self.idle_timeout / 4)
-        while True:
-            await trio.sleep(every)
-            old = time.monotonic() - self.idle_timeout
-            for conn in list(self._authed):
-                if conn.last_request > old:
-                    break
-                if conn.idle:
-                    self.stats["idle_closed"] += 1
-                    self._close_idle(conn)
+        old = time.monotonic() - self.idle_timeout
+        for conn in list(self._authed):
+            if conn.last_request > old:
+                break
+            if conn.idle:
+                self.stats["idle_closed"] += 1
+                self._close_idle(conn)
 
     # -- dispatch ------------------------------------------------------------------
     def _on_request(self, conn: Conn, nursery: trio.Nursery, req: tuple) -> None:
@@ -746,25 +751,13 @@ class MetaService:
                 self._step_files[key] = {}
             self._step_files[key][item[2]] = item[3]
 
-    async def _expirer(self) -> None:
-        pruned = trio.current_time()
-        while True:
-            await trio.sleep(EXPIRE_EVERY)
-            try:
-                expired = await self._run(self.engine.expire)
-                for job, step in expired or ():
-                    self.counters.step_state(job, step, "aborted")
-                if expired:
-                    self._notify()
-            except Exception:
-                log.exception("deadline check failed")
-            prune = getattr(self.engine, "prune_requests", None)
-            if prune is not None and trio.current_time() - pruned >= PRUNE_EVERY:
-                pruned = trio.current_time()
-                try:
-                    await self._run(prune)
-                except Exception:
-                    log.exception("forgetting old request ids failed")
+    async def _expire(self) -> None:
+        """Abort the steps whose deadline passed (a periodic step, every EXPIRE_EVERY)."""
+        expired = await self._run(self.engine.expire)
+        for job, step in expired or ():
+            self.counters.step_state(job, step, "aborted")
+        if expired:
+            self._notify()
 
     # -- waiting -------------------------------------------------------------------
     async def _wait_published(

@@ -55,6 +55,7 @@ from fusefs.client.volume import VOLUME_FILE, making_volume, write_volume_file
 from metadata.dump import DumpError, iter_table, load_dump, read_records, write_dump
 from metadata.engine import INLINE
 from metadata.engines import open_engine
+from metadata.periodic import capped, run_periodic
 
 log = logging.getLogger("ckptfs.backup")
 
@@ -292,7 +293,7 @@ def backup_named(nodes: Sequence[ObjectNode], candidates: set[bytes]) -> set[byt
 # -- settings and automatic backups ---------------------------------------------------
 def backup_settings(meta: Any) -> dict:
     """The volume's backup_interval (seconds; 0 turns automatic backups off) and
-    backup_keep, from its config (set at format, or by `ckptfs meta backup --every`)."""
+    backup_keep, from its config (set at format: `--backup-interval`, `--backup-keep`)."""
     cfg = meta.get_config()
     return {
         "interval": float(cfg.get("backup_interval", BACKUP_INTERVAL)),
@@ -301,28 +302,44 @@ def backup_settings(meta: Any) -> dict:
 
 
 AUTO_RETRY_S = 300.0  # after a failed automatic backup, try again this much later
+AUTO_CHECK_S = 60.0  # how often a long-running writer asks whether a backup is due
+AUTO_CHECK_MIN_S = 0.5  # ... at most this often, whatever the interval
 
 
 class AutoBackup:
     """A long-running writer's automatic backups (meta serve; a mount of a volume
-    directory). The nodes are listed once, at the first tick, for the newest backup;
-    after that the clock decides, so a tick costs a config read when none is due. Ticks
-    run in a worker thread; a failure is logged and retried later, never raised."""
+    directory).
 
-    def __init__(self, vol: Any) -> None:
+    The interval is the volume's `backup_interval` as the process opened it (`vol.config`,
+    no database read; it is set at format, so a change would take effect at the next
+    start); 0 means none: no tick lists a node or takes a backup. The nodes are listed
+    once, at the first tick, for the newest backup; after that the clock decides, so a
+    tick that finds none due costs nothing. A failed backup is tried again `retry_s`
+    later (AUTO_RETRY_S; less under $CKPTFS_PERIODIC_MAX_S, see metadata.periodic), not
+    at every tick: a dump costs."""
+
+    def __init__(self, vol: Any, interval: float | None = None) -> None:
         self.vol = vol
+        if interval is None:
+            interval = float(vol.config.get("backup_interval", BACKUP_INTERVAL))
+        self.interval = interval
+        self.retry_s = capped(AUTO_RETRY_S)
         self._newest: float | None = None
         self.taken = 0
-        self.interval = backup_settings(vol.meta)["interval"]  # as of the last tick
 
     @property
     def check_every(self) -> float:
-        """Seconds to the next tick: AUTO_CHECK_S, or a quarter of a shorter interval."""
+        """Seconds to the next tick: AUTO_CHECK_S, or a quarter of a shorter interval
+        (AUTO_CHECK_MIN_S at least)."""
         interval = self.interval
-        return min(AUTO_CHECK_S, max(0.5, interval / 4)) if interval > 0 else AUTO_CHECK_S
+        if interval <= 0:
+            return AUTO_CHECK_S
+        return min(AUTO_CHECK_S, max(AUTO_CHECK_MIN_S, interval / 4))
 
-    def tick(self, now: float | None = None) -> dict | None:
-        interval = self.interval = backup_settings(self.vol.meta)["interval"]
+    def step(self, now: float | None = None) -> dict | None:
+        """Take a backup if one is due (its manifest), else None. Raises what failed, with
+        the next attempt set retry_s later: run_auto_backups logs and counts it."""
+        interval = self.interval
         if interval <= 0:
             return None
         try:
@@ -333,29 +350,44 @@ class AutoBackup:
             if now - self._newest < interval:
                 return None
             manifest = create_backup(self.vol)
-        except Exception as e:  # noqa: BLE001 - a failed backup must not stop the writer
-            log.warning("automatic metadata backup failed (retried in %.0f s): %s", AUTO_RETRY_S, e)
-            self._newest = time.time() - interval + AUTO_RETRY_S
-            return None
+        except Exception:
+            self._newest = time.time() - interval + self.retry_s
+            raise
         self._newest = manifest["created"]
         self.taken += 1
         log.info("automatic metadata backup %d: %d bytes", manifest["id"], manifest["size"])
         return manifest
 
-
-AUTO_CHECK_S = 60.0  # how often a long-running writer asks whether a backup is due
+    def tick(self, now: float | None = None) -> dict | None:
+        """step() that never raises: a failure is logged here (a caller outside
+        run_auto_backups)."""
+        try:
+            return self.step(now)
+        except Exception as e:  # noqa: BLE001 - a failed backup must not stop the writer
+            log.warning("automatic metadata backup failed (retried in %.0f s): %s", self.retry_s, e)
+            return None
 
 
 async def run_auto_backups(vol: Any) -> None:
-    """Tick an AutoBackup until cancelled (a trio task): every AUTO_CHECK_S seconds, or a
-    quarter of the volume's interval if that is shorter."""
+    """The automatic backups of a long-running writer (a trio task, until cancelled).
+
+    With the volume's backup_interval 0 it returns at once: no task ticks, no node is
+    listed. Otherwise an AutoBackup steps every `check_every` seconds (AUTO_CHECK_S, or a
+    quarter of a shorter interval) in a worker thread, under metadata.periodic: a backup
+    that fails is logged in one line, counted (ckptfs_periodic_failures_total{task=
+    "backup"}) and tried again later, and never takes the process down."""
     import trio
 
-    auto = await trio.to_thread.run_sync(AutoBackup, vol)
-    while True:
-        await trio.sleep(auto.check_every)
-        # cancellable: a backup in progress never holds up the process's exit
-        await trio.to_thread.run_sync(auto.tick, abandon_on_cancel=True)
+    auto = AutoBackup(vol)
+    if auto.interval <= 0:
+        log.info("automatic metadata backups off (backup_interval 0)")
+        return
+
+    async def step() -> None:
+        # abandon_on_cancel: a backup in progress never holds up the process's exit
+        await trio.to_thread.run_sync(auto.step, abandon_on_cancel=True)
+
+    await run_periodic("backup", step, lambda: auto.check_every, log=log)
 
 
 # -- restoring ------------------------------------------------------------------------

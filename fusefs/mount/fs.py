@@ -57,6 +57,7 @@ from fusefs.mount.tuning import (
     tune_readahead,
 )
 from metadata.engine import NAME_MAX, STAGED, Attr, MetaBusy, MetaError
+from metadata.periodic import run_periodic
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -151,10 +152,15 @@ class CkptFS(pyfuse3.Operations):
                     n.start_soon(self._signals)
                     n.start_soon(self._probe, on_ready)
                     n.start_soon(self.mc.run, self.meta, self.vol.meta)
-                    if self.vol.meta.housekeeping_interval is not None:
-                        n.start_soon(self._housekeeping)
+                    every = self.vol.meta.housekeeping_interval
+                    if every is not None:  # logged, counted and retried if it raises
+                        n.start_soon(
+                            functools.partial(
+                                run_periodic, "housekeeping", self._housekeeping, every, log=log
+                            )
+                        )
                     if self.vol.base_dir is not None:  # a volume directory: no service
-                        n.start_soon(run_auto_backups, self.vol)  # backs its metadata up
+                        n.start_soon(run_auto_backups, self.vol)  # backs its metadata up (0: off)
                     await pyfuse3.main(min_tasks=4, max_tasks=64)
                     n.cancel_scope.cancel()
                 await self.cache.shutdown()
@@ -165,11 +171,9 @@ class CkptFS(pyfuse3.Operations):
                 self.local.close()
 
     async def _housekeeping(self) -> None:
-        """The engine's periodic upkeep (MetaEngine.housekeeping), from a worker."""
-        meta = self.vol.meta
-        while True:
-            await trio.sleep(meta.housekeeping_interval)
-            await self.meta(meta.housekeeping)
+        """The engine's periodic upkeep (MetaEngine.housekeeping), from a worker: a step
+        of run_periodic, every housekeeping_interval seconds."""
+        await self.meta(self.vol.meta.housekeeping)
 
     async def _signals(self) -> None:
         import signal

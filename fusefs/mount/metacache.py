@@ -41,12 +41,14 @@ import errno
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import pyfuse3
 import trio
 
 from metadata.engine import Attr, MetaEngine, MetaError
+from metadata.periodic import run_periodic
 
 log = logging.getLogger("ckptfs.mount")
 
@@ -205,22 +207,19 @@ class MetaCache:
         self.floor = newest
         self.live = True
         self._last_read = time.monotonic()
-        failing = False
-        while True:
-            await trio.sleep(FEED_POLL_S)
-            try:
-                await self.poll(meta, engine)
-            except Exception as e:  # the service unreachable: keep trying, say it once
-                if not failing:
-                    log.warning("change feed unreadable: %s", e)
-                    failing = True
-                if self.live and time.monotonic() - self._last_read > FEED_DOWN_S:
-                    self.live = False  # new replies short-lived until the log is read again
-                continue
-            if failing:
-                log.info("change feed readable again")
-                failing = False
-            self.live = True
+        await run_periodic(
+            "change_feed", partial(self.poll, meta, engine), FEED_POLL_S, log=log,
+            on_error=self._feed_failed, on_ok=self._feed_read,
+        )  # fmt: skip
+
+    def _feed_failed(self, e: Exception) -> None:
+        """A poll failed (the service unreachable; run_periodic logged and counted it):
+        past FEED_DOWN_S without a read, new replies are short-lived until one works."""
+        if self.live and time.monotonic() - self._last_read > FEED_DOWN_S:
+            self.live = False
+
+    def _feed_read(self) -> None:
+        self.live = True
 
     async def poll(self, meta: Meta, engine: MetaEngine) -> None:
         """Read the log past the floor and apply what other clients changed."""
