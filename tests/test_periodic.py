@@ -282,3 +282,20 @@ def test_a_failing_backup_is_logged_counted_and_retried_and_the_service_stays_up
     assert _failures(_scrape(mport))["backup"] == failed
     assert srv.alive(), srv.log_text()
     _put_get(env, srv.url, tmp_path, "after")
+
+
+def test_backup_interval_0_takes_no_backup_in_a_mount(
+    tmp_path, mount_env, new_volume, mount_factory
+):
+    """`ckptfs format --backup-interval 0` ("0 for none", issue 37 item 11): a mount of the
+    volume runs no backup task (no tick lists a node or takes a backup)."""
+    mount_env["CKPTFS_PERIODIC_MAX_S"] = CAP
+    vol = new_volume("vol", "--backup-interval", "0")
+    m = mount_factory(vol, "mnt")
+    with open(m.path("f.bin"), "wb") as f:
+        f.write(b"y" * 100_000)
+    time.sleep(3.0)  # six backup checks, were there a task
+    assert _backups(vol) == []
+    assert m.proc.poll() is None, m.log_text()
+    with open(m.path("f.bin"), "rb") as f:
+        assert f.read() == b"y" * 100_000
