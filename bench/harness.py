@@ -29,7 +29,6 @@ failure and on Ctrl-C or SIGTERM.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -46,10 +45,12 @@ from bench.harness_data import ShardMaker
 from bench.harness_env import Env
 from bench.harness_faults import FaultRunner
 from bench.harness_report import breakdown, per_rank_ms
+from bench.harness_watch import FleetDown, Watcher
 from fusefs.cli.progress import Progress
 from metadata.engine import MetaError
 
 READY_TIMEOUT = 180.0
+QUICK_STOP = 2.0  # an interrupted or failed run's grace for its workers before SIGKILL
 
 
 @dataclass
@@ -88,9 +89,11 @@ class Workers:
         hosts: list[list[int]],
         groups,
         netns: dict[int, str] | None = None,
+        abort: Callable[[], bool] | None = None,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
+        self.abort = abort  # polled while waiting: the fleet watcher found a server gone
         self.groups = [list(g) for g in groups]
         from bench.harness_worker import worker_main
 
@@ -109,7 +112,7 @@ class Workers:
                 self.conns.append(parent)
             self.gather("ready", READY_TIMEOUT, None)
         except BaseException:
-            self.stop()
+            self.stop(grace=QUICK_STOP)
             raise
 
     def host_pids(self) -> dict[int, int]:
@@ -125,6 +128,8 @@ class Workers:
         counts = [0] * len(self.conns)
         end = time.monotonic() + timeout
         while len(answers) < len(self.conns):
+            if self.abort is not None and self.abort():
+                raise FleetDown
             left = end - time.monotonic()
             if left <= 0:
                 raise HarnessError(f"workers did not answer {want!r} in {timeout:.0f}s")
@@ -155,20 +160,26 @@ class Workers:
                         raise HarnessError(f"worker {i} died (exit {self.procs[i].exitcode})")
         return [answers[i] for i in range(len(self.conns))]
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 120.0) -> None:
+        """Ask every worker to close its hosts and exit; SIGKILL those still running after
+        `grace` seconds (an interrupted run gives them QUICK_STOP: a worker in the middle
+        of a drain or a phase would otherwise finish it first, for up to its timeout)."""
         for c in self.conns:
             try:
                 c.send(("stop",))
             except OSError:
                 pass
-        end = time.monotonic() + 120
+        end = time.monotonic() + grace
         for p in self.procs:
             p.join(max(0.1, end - time.monotonic()))
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
-                p.join(10)
+        for p in self.procs:
+            p.join(10)
         for c in self.conns:
             c.close()
+        self.conns = []
 
 
 def _percentile(xs: list[float], p: float) -> float | None:
@@ -209,12 +220,16 @@ def run(cfg: HarnessConfig, log=None) -> dict:
     latest = durable = None
     stats: dict = {}
     counters = {"failovers": 0, "reconnects": 0}
+    baseline: dict = {}
+    job = f"bench-{int(t_run)}-{os.getpid()}"
     signals = _Signals()
+    watch = Watcher(env.check_fleet, say, signals.wake)
+    completed = False
     try:
         env.start(say, len(hosts))
+        watch.start()
         topology = env.topology()
         meta = connect(env.url)
-        job = f"bench-{int(t_run)}-{os.getpid()}"
         step_bytes = cfg.ranks * cfg.shard_size
         per_host = max(len(h) for h in hosts) * cfg.shard_size
         wcfg = {
@@ -249,8 +264,9 @@ def run(cfg: HarnessConfig, log=None) -> dict:
             plan = ", ".join(f"{k} at step {v}" for k, v in faults.plan.items())
             say(f"faults: {plan} (each down {cfg.fault_hold:g}s)")
         baseline = _disk_baseline(env.root, min(step_bytes, 2**30), cfg)
-        workers = Workers(cfg, wcfg, hosts, groups, env.host_ns)
+        workers = Workers(cfg, wcfg, hosts, groups, env.host_ns, abort=watch.failed.is_set)
         env.worker_pids = workers.host_pids()
+        say(_fleet_line(env, workers))
         if cfg.slow_node:
             env.slow_node()
         prev_published: int | None = None
@@ -281,6 +297,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         elif cfg.durability == "local":
             t0 = time.time()
             drain = _drain_timeout(cfg)
+            say(f"draining the hosts' write-behind tiers (at most {drain:.0f}s) ...")
             workers.send(("flush", drain))
             res = [r for part in workers.gather("flush", drain + 60, None) for r in part]
             flush = {
@@ -303,21 +320,28 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         durable = _try(errors, "latest_durable", meta.latest_durable, job)
         got = _try(errors, "stats", meta.stats)
         stats = got.as_dict() if got is not None else {}
+        completed = True
+    except FleetDown:  # a server exited unasked: the watcher's finding fails the run
+        pass
     finally:
+        for _ in range(3):  # a signal that came just as the teardown began: it is begun
+            try:
+                signals.hold()
+                break
+            except (KeyboardInterrupt, FleetDown):
+                continue
+        watch.stop()
+        quick = not completed  # interrupted, failed, or a server gone: no waiting on them
         worker_logs = env.log_summary()
-        with signals.held():
-            faults.abort()
-            if workers is not None:
-                workers.stop()
-            if meta is not None:
-                try:
-                    meta.close()
-                except Exception:  # noqa: S110 - closing a client whose service is gone
-                    pass
-            env.stop()
-            signals.restore()
-            if env.problems:
-                say(f"teardown: {'; '.join(env.problems)}")
+        faults.abort(timeout=QUICK_STOP if quick else 90.0)
+        if workers is not None:
+            workers.stop(grace=QUICK_STOP if quick else 120.0)
+        if meta is not None:
+            _close_bounded(meta, QUICK_STOP)
+        env.stop(quick=quick)
+        signals.restore()
+        if env.problems:
+            say(f"teardown: {'; '.join(env.problems)}")
     from bench.harness_report import build_report
 
     return build_report(
@@ -336,10 +360,33 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         faults=faults.as_list(t_run),
         counters=counters,
         final=final,
-        errors=errors + env.problems,
+        errors=watch.findings() + errors + env.problems,
         worker_logs=worker_logs,
         resume=resume,
+        process_exits=watch.as_list(),
     )
+
+
+def _fleet_line(env: Env, workers: Workers) -> str:
+    """Which processes the run watches (and tests find by pid)."""
+    servers = ", ".join(f"{name} pid {pid}" for name, pid in env.fleet_pids().items())
+    pids = ", ".join(str(p.pid) for p in workers.procs)
+    return f"watching the fleet: {servers or 'no servers of its own'}; workers pids {pids}"
+
+
+def _close_bounded(meta, timeout: float) -> None:
+    """Close the coordinator's client, waiting at most `timeout` (a client whose service
+    is gone or stopped may take its time; the process exits anyway)."""
+
+    def close() -> None:
+        try:
+            meta.close()
+        except Exception:  # noqa: S110 - closing a client whose service is gone
+            pass
+
+    t = threading.Thread(target=close, name="close-meta-client", daemon=True)
+    t.start()
+    t.join(timeout)
 
 
 def _drain_timeout(cfg: HarnessConfig) -> float:
@@ -351,27 +398,44 @@ def _drain_timeout(cfg: HarnessConfig) -> float:
 
 
 class _Signals:
-    """SIGTERM ends a run as Ctrl-C does (KeyboardInterrupt, so the teardown runs), and
-    neither signal can cut the teardown short. Only in the main thread (the only one
-    Python delivers signals to); elsewhere a no-op."""
+    """SIGTERM ends a run as Ctrl-C does (KeyboardInterrupt, so the teardown runs); the
+    fleet watcher ends it with FleetDown (SIGUSR1 sent to the main thread, so whatever the
+    coordinator waits on is interrupted); and nothing cuts the teardown short (`hold`).
+    Only in the main thread (the only one Python delivers signals to); elsewhere a no-op,
+    and the coordinator's waits poll the watcher instead."""
 
     def __init__(self) -> None:
         self.saved: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self.armed = False
         if threading.current_thread() is not threading.main_thread():
             return
-        self.saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+        self.saved = {s: signal.getsignal(s) for s in sigs}
         signal.signal(signal.SIGTERM, self._interrupt)
+        signal.signal(signal.SIGUSR1, self._fleet_down)
+        self.armed = True
 
     @staticmethod
     def _interrupt(signum, frame) -> None:
         raise KeyboardInterrupt
 
-    @contextlib.contextmanager
-    def held(self):
-        if self.saved:
-            for s in self.saved:
-                signal.signal(s, signal.SIG_IGN)
-        yield
+    def _fleet_down(self, signum, frame) -> None:
+        if self.armed:
+            raise FleetDown
+
+    def wake(self) -> None:
+        """From the watcher's thread: interrupt the main thread where it waits."""
+        with self._lock:
+            if self.armed:
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # type: ignore[arg-type]
+
+    def hold(self) -> None:
+        """The teardown begins: from now on no signal interrupts it."""
+        with self._lock:
+            self.armed = False
+        for s in self.saved:
+            signal.signal(s, signal.SIG_IGN)
 
     def restore(self) -> None:
         for s, h in self.saved.items():

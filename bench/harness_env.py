@@ -36,6 +36,8 @@ META_PORT = 7410  # a replica alone in its namespace
 PG_PORT = 5432
 NODE_STOP_GRACE = 2.0  # a rolling restart's SIGTERM grace before SIGKILL (weed's own is 15 s)
 TEARDOWN_WAIT = 30.0  # how long teardown waits for a running fault action (a restart)
+QUICK_WAIT = 1.0  # ... and an interrupted or failed run's (its servers are closed anyway)
+QUICK_GRACE = 3.0  # an interrupted run's SIGTERM grace for a server before SIGKILL
 
 
 class Closing(HarnessError):
@@ -81,6 +83,10 @@ class Env:
         self.host_ns: dict[int, str] = {}  # host index -> its namespace's path (netns)
         self.worker_pids: dict[int, int] = {}  # host index -> worker pid (loopback partition)
         self.stopped_pids: set[int] = set()
+        # server processes down on purpose (a fault killed, stopped or is restarting them):
+        # the fleet watcher (bench.harness_watch) flags any other exit
+        self.on_purpose: set[str] = set()
+        self._reported: set[tuple[str, int]] = set()
         self.notes: list[str] = []
         self.problems: list[str] = []  # teardown trouble, reported by the caller
         self.replica_lists = False
@@ -316,6 +322,56 @@ class Env:
                 continue
         return total
 
+    # -- the fleet's processes, for the watcher ------------------------------------------------
+    def _fleet(self) -> list[tuple[str, str, int | None, object, str]]:
+        """Every server process started here: (name, what it is, pid, a function
+        returning its exit status or None while it runs, its log). Called with the lock."""
+        out: list[tuple[str, str, int | None, object, str]] = []
+        for i, s in enumerate(self.servers):
+            out.append((f"m{i}", "service replica (ckptfs meta serve)", s.pid, s.exit_status,
+                        s.log_path))  # fmt: skip
+        for i, w in enumerate(self.weeds):
+            out.append((f"n{i}", "S3 node (SeaweedFS weed server)", w.pid, w.exit_status,
+                        w.log_path))  # fmt: skip
+        pg = self.pg
+        if pg is not None:
+
+            def pg_status() -> int | None:
+                return None if pg.running() else -1
+
+            out.append(("db", "database (PostgreSQL)", pg.server_pid, pg_status, pg.log))
+        return out
+
+    def fleet_pids(self) -> dict[str, int]:
+        """name -> pid of every server process now started here (m0, n1, db)."""
+        with self._lock:
+            return {name: pid for name, _, pid, _, _ in self._fleet() if pid is not None}
+
+    def check_fleet(self) -> list[dict]:
+        """The server processes that exited when no fault asked for it (each reported
+        once): name, what, pid, exit status (None: not a child, status unknown), log."""
+        out = []
+        with self._lock:
+            if self.closing:
+                return out
+            for name, what, pid, status, log in self._fleet():
+                if pid is None or name in self.on_purpose or (name, pid) in self._reported:
+                    continue
+                code = status()  # type: ignore[operator]
+                if code is None:
+                    continue
+                self._reported.add((name, pid))
+                out.append({"name": name, "what": what, "pid": pid, "status": code, "log": log})
+        return out
+
+    def _expect_down(self, name: str) -> None:
+        with self._lock:
+            self.on_purpose.add(name)
+
+    def _expect_up(self, name: str) -> None:
+        with self._lock:
+            self.on_purpose.discard(name)
+
     # -- faults ---------------------------------------------------------------------------
     def _guard(self) -> None:
         if self.closing:
@@ -340,6 +396,7 @@ class Env:
     def kill_node(self) -> None:
         """Node n0 dies: its SeaweedFS server is SIGKILLed, or its directory becomes a file."""
         with self._lock:
+            self.on_purpose.add("n0")  # for good
             if self.weeds:
                 self.weeds[0].kill()
             elif self.node_dirs:
@@ -356,6 +413,7 @@ class Env:
     def kill_meta(self, i: int) -> None:
         """SIGKILL service replica i: no cleanup, the crash a service must survive."""
         with self._action():
+            self._expect_down(f"m{i}")
             self.servers[i].kill()
 
     def start_meta(self, i: int) -> None:
@@ -364,8 +422,9 @@ class Env:
         with self._action():
             try:
                 self.servers[i].restart()
-            except ServerError as e:
+            except ServerError as e:  # stays "on purpose": the fault reports it
                 raise HarnessError(f"replica {i} did not come back: {e}") from None
+            self._expect_up(f"m{i}")
 
     def cut_host(self, h: int) -> None:
         """Partition host h: its link down (netns); on loopback, where there is no link to
@@ -396,34 +455,43 @@ class Env:
         until it takes writes. Returns when it went down (time.time())."""
         w = self.weeds[i]
         with self._action():
+            self._expect_down(f"n{i}")
             down = time.time()
             w.stop(timeout=NODE_STOP_GRACE)
             w.start()
             try:
                 w.wait_ready()
-            except ServerError as e:
+            except ServerError as e:  # stays "on purpose": the fault reports it
                 raise HarnessError(f"node n{i} did not come back: {e}") from None
+            self._expect_up(f"n{i}")
         return down
 
     def stop_db(self) -> None:
         assert self.pg is not None
         with self._action():
+            self._expect_down("db")
             self.pg.stop_server("fast")
 
     def start_db(self) -> None:
         assert self.pg is not None
         with self._action():
             self.pg.start()
+            self._expect_up("db")
 
     # -- stop -----------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Stop and remove everything started; never raises (trouble goes to `problems`)."""
+    def stop(self, quick: bool = False) -> None:
+        """Stop and remove everything started; never raises (trouble goes to `problems`).
+
+        `quick` (an interrupted or failed run): running fault actions get a moment, not
+        TEARDOWN_WAIT, and servers a short grace before SIGKILL, so the whole fleet is gone
+        within seconds whatever it was doing."""
+        wait = QUICK_WAIT if quick else TEARDOWN_WAIT
         with self._lock:
             self.closing = True
-            end = time.monotonic() + TEARDOWN_WAIT
+            end = time.monotonic() + wait
             while self._busy and time.monotonic() < end:
                 self._idle.wait(max(0.01, end - time.monotonic()))
-            if self._busy:
+            if self._busy and not quick:
                 self.problems.append(f"{self._busy} fault action(s) still running at teardown")
 
         def step(what: str, fn: Callable[[], object]) -> None:
@@ -434,14 +502,18 @@ class Env:
 
         for pid in list(self.stopped_pids):
             step("resume a stopped worker", lambda pid=pid: os.kill(pid, signal.SIGCONT))
+        for s in self.servers:  # all asked at once, then each waited for
+            step("stop a service replica", s.terminate)
+        grace = QUICK_GRACE if quick else 10.0
         for s in self.servers:
-            step("stop a service replica", s.stop)
+            step("stop a service replica", lambda s=s: s.close(grace))
         self.servers = []
         if self.pg is not None:
-            step("stop PostgreSQL", self.pg.stop)
+            pg = self.pg
+            step("stop PostgreSQL", lambda: pg.stop(timeout=QUICK_GRACE if quick else 120.0))
             self.pg = None
         for w in self.weeds:
-            step("stop a SeaweedFS server", w.kill)
+            step("stop a SeaweedFS server", w.close)
         self.weeds = []
         if self._ctl_old is not None:
             step("leave the coordinator's namespace", lambda: netns.leave(self._ctl_old))

@@ -196,10 +196,12 @@ class FaultRunner:
                 if r.back_at is None and not r.error:
                     r.error = f"not back after {timeout:.0f}s"
 
-    def abort(self) -> None:
-        """Teardown: cut every hold short, and give running restarts a bounded while."""
+    def abort(self, timeout: float = 90.0) -> None:
+        """Teardown: cut every hold short, and give running restarts a bounded while (an
+        interrupted run gives them a moment: the servers they restart are closed next, and
+        a restart racing that fails instead of starting anything)."""
         self.stop.set()
-        self.finish(timeout=90.0)
+        self.finish(timeout=timeout)
 
     def as_list(self, t0: float) -> list[dict]:
         with self._lock:

@@ -295,6 +295,7 @@ def build_report(
     errors: list[str] | None = None,
     worker_logs: dict | None = None,
     resume: dict | None = None,
+    process_exits: list[dict] | None = None,
 ):
     summaries = [step_summary(r, cfg) for r in steps]
     verdict = judge(
@@ -319,7 +320,9 @@ def build_report(
         "cpus": os.cpu_count(),
         "elapsed_s": round(time.time() - t_run, 2),
         "baseline_disk": baseline,
-        "save_vs_disk": round(best / baseline["gbps"], 3) if best and baseline["gbps"] else None,
+        "save_vs_disk": round(best / baseline["gbps"], 3)
+        if best and baseline.get("gbps")
+        else None,
         "step2_vs_step1": round(s1["save_s"] / s2["save_s"], 3) if s1 and s2 else None,
         "load_vs_disk": round(best_load / read_gbps, 3) if best_load and read_gbps else None,
         "resume_vs_disk": round(resume["gbps"] / read_gbps, 3)
@@ -341,6 +344,7 @@ def build_report(
         "final_check": final,
         "errors": errors or [],
         "worker_logs": worker_logs or {},
+        "process_exits": process_exits or [],  # servers that exited when no fault asked
         "verdict": verdict,
     }
 

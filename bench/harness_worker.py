@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -605,12 +606,30 @@ def counters(st: WorkerState) -> dict:
     return out
 
 
+def _tie_to_coordinator() -> None:
+    """The coordinator ends this process: Ctrl-C at a terminal (SIGINT to the whole
+    process group) is the coordinator's to act on, and its teardown stops or SIGKILLs the
+    workers; and should the coordinator die without one (SIGKILL), the kernel kills this
+    process too (PR_SET_PDEATHSIG) instead of leaving it draining for many minutes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the coordinator died before the tie was made
+        os._exit(1)
+
+
 def worker_main(
     conn, cfg: dict, hosts: list[tuple[int, list[int]]], netns: str | None = None
 ) -> None:
     """Process entry point (spawned): enter the host's network namespace (--topology
     netns), open the hosts, then obey the coordinator."""
     opened: list[Host] = []
+    _tie_to_coordinator()
     if cfg.get("log_dir"):  # warnings (a node down, a retry) go to a file, not the terminal
         name = "-".join(f"host-{i:03d}" for i, _ in hosts[:4])
         logging.basicConfig(

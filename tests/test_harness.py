@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from bench.harness import HarnessConfig, HarnessError, run
 from bench.harness_report import format_table, judge, plot
+from bench.servers.postgres import pg_available
+from bench.servers.seaweed import weed_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(ranks=64, hosts=2, shard_size=64 * 1024, progress=False)
@@ -221,3 +226,129 @@ def test_cli_json_and_exit_status(tmp_path):
 def test_judge_killed_rank_cannot_publish():
     s = _summary(2, "published", faults=["kill-rank 2"])
     assert not judge([_summary(1, "published"), s], 4, None, 2, 2)["ok"]
+
+
+# -- the fleet watched: a server gone unasked fails the run; signals end it in seconds ---------
+def _fleet_pids(lines: list[str]) -> dict[str, int]:
+    """The harness's own record of its processes: its `watching the fleet:` line."""
+    line = next(ln for ln in lines if ln.startswith("watching the fleet:"))
+    servers, _, workers = line.partition("; workers pids ")
+    out = {}
+    for part in servers.split(":", 1)[1].split(","):
+        words = part.split()
+        if len(words) == 3 and words[1] == "pid":
+            out[words[0]] = int(words[2])
+    for i, pid in enumerate(workers.split(",")):
+        out[f"worker{i}"] = int(pid)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    res = subprocess.run(["pgrep", "-af", text], capture_output=True, text=True)
+    return [ln for ln in res.stdout.splitlines() if "pgrep" not in ln]
+
+
+_WEED = pytest.mark.skipif(weed_path() is None, reason="SeaweedFS (`weed`) not installed")
+_PG = pytest.mark.skipif(pg_available() is not None, reason=pg_available() or "")
+
+
+@pytest.mark.parametrize(
+    "victim, kw",
+    [
+        ("m0", {}),
+        pytest.param("n1", {"nodes": "s3", "node_count": 2}, marks=_WEED),
+        pytest.param("db", {"db": "postgres"}, marks=_PG),
+    ],
+    ids=["meta-replica", "seaweed-node", "postgres"],
+)
+def test_a_server_that_exits_unasked_fails_the_run(tmp_path, victim, kw):
+    """A service replica, an S3 node or the database killed from outside mid-run (no fault
+    asked for it): the run ends within seconds, FAIL, naming the process and its log's end,
+    and leaves nothing behind."""
+    lines: list[str] = []
+    killed: list[float] = []
+
+    def killer() -> None:
+        end = time.monotonic() + 90
+        while time.monotonic() < end and not any(ln.startswith("step 1:") for ln in lines):
+            time.sleep(0.05)
+        pids = _fleet_pids(lines)
+        killed.append(time.monotonic())
+        os.kill(pids[victim], signal.SIGKILL)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    cfg = _cfg(tmp_path, ranks=16, steps=200, phase_timeout=60, **kw)
+    rep = run(cfg, log=lines.append)
+    ended = time.monotonic()
+    t.join(5)
+    assert killed, lines
+    assert ended - killed[0] < 15, f"the run took {ended - killed[0]:.1f}s to end"
+    assert not rep["verdict"]["ok"]
+    (ex,) = rep["process_exits"]
+    assert ex["name"] == victim and ex["pid"] == _fleet_pids(lines)[victim]
+    fail = [ln for ln in rep["verdict"]["lines"] if ln.startswith("FAIL fleet:")]
+    assert fail and f" {victim} (pid {ex['pid']})" in fail[0] and "no fault asked" in fail[0]
+    if victim == "n1":  # a SeaweedFS log always has lines: the report quotes its end
+        assert ex["tail"] and ex["tail"][-1] in fail[0]
+    assert len(rep["steps"]) < 200
+    assert "verdict: FAIL" in format_table(rep)
+    assert not any(_alive(p) for p in _fleet_pids(lines).values())
+    assert _processes_mentioning(str(tmp_path)) == []
+    assert _processes_mentioning(f"ckptfs-pg-bench{os.getpid()}") == []
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "sig, when",
+    [(signal.SIGTERM, "draining"), (signal.SIGINT, "draining"), (signal.SIGINT, "step 1:")],
+    ids=["sigterm-mid-drain", "ctrl-c-mid-drain", "ctrl-c-mid-step"],
+)
+def test_a_signal_ends_the_run_within_15s(tmp_path, sig, when):
+    """SIGTERM to the coordinator, or Ctrl-C (SIGINT to its whole process group), while
+    its hosts wait on a drain that takes half a minute (node n0 answers each put after
+    3 s) or in the middle of the steps: the run ends within 15 s, its fleet gone."""
+    steps = "2" if when == "draining" else "100"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fusefs.cli", "bench", "--embedded", "--ranks", "16",
+         "--hosts", "2", "--shard-size", "256KiB", "--steps", steps, "--slow-node",
+         "--slow-node-delay", "3", "--workdir", str(tmp_path)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group, as a terminal's job
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        end = time.monotonic() + 90
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith(when) or time.monotonic() > end:
+                break
+        assert any(ln.startswith(when) for ln in lines), "".join(lines)
+        time.sleep(1.0)  # well inside: the drain has ~30 s to go, the steps many more
+        pids = _fleet_pids(lines)
+        t0 = time.monotonic()
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert took < 15, f"the run took {took:.1f}s to end after the signal"
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert pids and not [name for name, p in pids.items() if _alive(p)]
+    assert _processes_mentioning(str(tmp_path)) == []
+    assert os.listdir(tmp_path) == []

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 
@@ -56,6 +57,8 @@ class MetaServer:
             os.close(fd)
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self.closed = False  # close(): never started again (a restart racing a teardown)
+        self._lock = threading.Lock()
         if start:
             self.start()
 
@@ -76,7 +79,9 @@ class MetaServer:
             cmd += ["--db", self.db, "--db-wait", f"{DB_WAIT:g}"]
         if self.tls:
             cmd += ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]]
-        with open(self.log_path, "ab") as log:
+        with self._lock, open(self.log_path, "ab") as log:
+            if self.closed:
+                raise ServerError("meta serve: closed (the run is being torn down)")
             self.proc = subprocess.Popen(
                 cmd, env=child_env(), stdout=subprocess.PIPE, stderr=log, start_new_session=True
             )
@@ -99,6 +104,39 @@ class MetaServer:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def exit_status(self) -> int | None:
+        """The exit status of the process last started (negative: the signal that ended
+        it), or None while it runs or before it was started."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def terminate(self) -> None:
+        """Ask it to end (SIGTERM, and SIGCONT should it be stopped); returns at once."""
+        with self._lock:
+            proc = self.proc
+        if proc is not None and proc.poll() is None:
+            for sig in (signal.SIGTERM, signal.SIGCONT):
+                try:
+                    proc.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def close(self, grace: float = 10.0) -> None:
+        """Stop for good: SIGTERM, SIGKILL after `grace` seconds; a start() racing this
+        one (a fault restarting the replica) fails instead of starting a process."""
+        with self._lock:
+            self.closed = True
+        self.terminate()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self.stop()
 
     def kill(self) -> None:
         """SIGKILL: no cleanup, the crash a service must survive."""

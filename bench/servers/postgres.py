@@ -15,8 +15,10 @@ import itertools
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 from collections.abc import Sequence
 
 from bench.servers import ServerError, free_port
@@ -81,6 +83,9 @@ class PgCluster:
         self.log = os.path.join(self.dir, "log")
         self._n = itertools.count()
         self._as_root = os.geteuid() == 0
+        self.server_pid: int | None = None  # the postmaster's, once started
+        self.closed = False  # stop(): never started again (a restart racing a teardown)
+        self._lock = threading.Lock()
         try:
             if self._as_root:
                 pw = pwd.getpwnam("postgres")
@@ -118,6 +123,9 @@ class PgCluster:
             raise ServerError(f"{os.path.basename(cmd[0])} timed out (log {self.log})") from None
 
     def start(self) -> None:
+        with self._lock:
+            if self.closed:
+                raise ServerError("PostgreSQL: stopped for good (the run is being torn down)")
         opts = (
             f"-p {self.port} -k {self.dir} -c listen_addresses={self.host} "
             f"-c max_connections=200 -c fsync={'on' if self.fsync else 'off'} "
@@ -127,11 +135,38 @@ class PgCluster:
             [f"{PG_BIN}/pg_ctl", "-D", self.data, "-o", opts, "-l", self.log,
              "-w", "-t", "60", "start"]
         )  # fmt: skip
+        self.server_pid = self._read_pid()
 
-    def stop_server(self, mode: str = "fast") -> None:
+    def _read_pid(self) -> int | None:
+        """The postmaster's pid, from its lock file (None if there is none)."""
+        try:
+            with open(os.path.join(self.data, "postmaster.pid")) as f:
+                return int(f.readline().strip())
+        except (OSError, ValueError):
+            return None
+
+    def running(self) -> bool:
+        """Is the postmaster started last still running? (It is not a child of this
+        process: pg_ctl starts it in the background, so /proc is asked.)"""
+        return self._is_postmaster(self.server_pid)
+
+    def _is_postmaster(self, pid: int | None) -> bool:
+        """Is `pid` a live process running this cluster's data directory?"""
+        if pid is None:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError):
+            return False
+        return state not in ("Z", "X") and self.data.encode() in cmd
+
+    def stop_server(self, mode: str = "fast", timeout: float = 120.0) -> None:
         """Stop the server, keep the data (`fast`: a clean shutdown that disconnects every
         client, as maintenance does; `immediate`: a crash)."""
-        self._pg([f"{PG_BIN}/pg_ctl", "-D", self.data, "-m", mode, "-w", "stop"])
+        self._pg([f"{PG_BIN}/pg_ctl", "-D", self.data, "-m", mode, "-w", "stop"], timeout)
 
     def restart(self, mode: str = "fast") -> None:
         self.stop_server(mode)
@@ -166,9 +201,19 @@ class PgCluster:
         except psycopg.Error:
             return False
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 120.0) -> None:
+        """Stop the server for good (a start racing this one fails) and remove the
+        cluster. Past `timeout` for pg_ctl, the postmaster is SIGKILLed."""
+        with self._lock:
+            self.closed = True
         try:
             if os.path.exists(os.path.join(self.data, "postmaster.pid")):
-                self.stop_server("immediate")
+                self.stop_server("immediate", timeout)
         finally:
+            for pid in {self.server_pid, self._read_pid()}:
+                if pid is not None and self._is_postmaster(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -64,6 +65,8 @@ class WeedServer:
             self.debug_port = 6060
         self.proc: subprocess.Popen | None = None
         self.paused = False
+        self.closed = False  # close(): never started again (a restart racing a teardown)
+        self._lock = threading.Lock()
 
     @property
     def endpoint(self) -> str:
@@ -96,11 +99,30 @@ class WeedServer:
         ]
         for k in ROLES:
             args += [f"-{k}.port={self.ports[k]}", f"-{k}.port.grpc={self.grpc[k]}"]
-        with open(self.log_path, "ab") as log:
+        with self._lock, open(self.log_path, "ab") as log:
+            if self.closed:
+                raise ServerError("weed server: closed (the run is being torn down)")
             self.proc = subprocess.Popen(
                 args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         self.paused = False
+
+    @property
+    def pid(self) -> int | None:
+        proc = self.proc
+        return proc.pid if proc is not None else None
+
+    def exit_status(self) -> int | None:
+        """The exit status of the running server's process (negative: the signal that
+        ended it), or None while it runs, and after kill() (which forgets the process)."""
+        proc = self.proc
+        return proc.poll() if proc is not None else None
+
+    def close(self) -> None:
+        """Kill for good: a start() racing this one (a restart) fails instead of starting."""
+        with self._lock:
+            self.closed = True
+        self.kill()
 
     def probe(self) -> bool:
         """One write and read back: a listing answers before the node takes writes again
@@ -151,12 +173,16 @@ class WeedServer:
 
     def kill(self) -> None:
         """The node dies (connections refused from now on). Data on disk survives."""
+        with self._lock:
+            proc = self.proc
         if self.paused:
-            kill_group(self.proc, signal.SIGCONT)
-        kill_group(self.proc, signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=30)
-        self.proc = None
+            kill_group(proc, signal.SIGCONT)
+        kill_group(proc, signal.SIGKILL)
+        if proc is not None:
+            proc.wait(timeout=30)
+        with self._lock:
+            if self.proc is proc:
+                self.proc = None
         self.paused = False
 
     def stop(self, timeout: float = 20.0) -> None:
