@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -279,15 +280,59 @@ def test_ctrl_c_tears_the_fleet_down(tmp_path, sig):
             if line.startswith("step 1:") or time.monotonic() > end:
                 break
         assert any(line.startswith("step 1:") for line in lines), "".join(lines)
+        t0 = time.monotonic()
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
+    assert took < 15, f"the fleet took {took:.1f}s to go after the signal"
     assert "interrupted" in err and "Traceback" not in err
     prefix = f"ckb{proc.pid}x"
+    assert _leftovers(prefix, [str(tmp_path), prefix], before) == []
+    assert os.listdir(tmp_path) == []
+
+
+@needs_netns
+@needs_weed
+@needs_pg
+def test_netns_replica_gone_unasked_fails_the_run(tmp_path):
+    """The fleet of the issue, small: 2 replicas on PostgreSQL, each in its namespace. One
+    replica killed from outside (no fault asked for it): the run ends FAIL within seconds,
+    naming it, and the fleet (namespaces, servers, files) is gone."""
+    before = _root_links()
+    lines: list[str] = []
+    killed: list[float] = []
+
+    def killer() -> None:
+        end = time.monotonic() + 120
+        while time.monotonic() < end and not any(ln.startswith("step 1:") for ln in lines):
+            time.sleep(0.05)
+        line = next(ln for ln in lines if ln.startswith("watching the fleet:"))
+        pid = int(line.split("m1 pid ")[1].split(",")[0].split(";")[0])
+        killed.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    cfg = HarnessConfig(
+        ranks=16, hosts=2, shard_size=64 * 1024, steps=200, topology="netns", node_count=2,
+        meta_replicas=2, db="postgres", workdir=str(tmp_path), progress=False,
+        phase_timeout=60,
+    )  # fmt: skip
+    rep = run(cfg, log=lines.append)
+    ended = time.monotonic()
+    t.join(5)
+    assert killed, lines
+    assert ended - killed[0] < 20, f"the run took {ended - killed[0]:.1f}s to end"
+    assert not rep["verdict"]["ok"]
+    assert [e["name"] for e in rep["process_exits"]] == ["m1"]
+    assert any(ln.startswith("FAIL fleet: service replica") and " m1 " in ln
+               for ln in rep["verdict"]["lines"])  # fmt: skip
+    prefix = f"ckb{os.getpid()}x"
     assert _leftovers(prefix, [str(tmp_path), prefix], before) == []
     assert os.listdir(tmp_path) == []
 
