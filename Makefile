@@ -1,6 +1,7 @@
 # The two commands a newcomer needs (see README.md):
 #   make demo   install everything on a fresh Debian machine, run the demo
-#   make test   install everything, run ruff, the wheel check and the whole test suite
+#   make test   install everything, run ruff, the wheel check, the whole test suite and the
+#               benchmark guard (bench/guard.py: the headline ratios against their bounds)
 #
 # Python packages go into the project's own virtual environment (.venv), never into the
 # machine's Python: `make test` (and so .ci/run) builds it fresh from pyproject.toml, so the
@@ -14,7 +15,7 @@ VPY := $(VENV)/bin/python
 PIP_FLAGS := --quiet --disable-pip-version-check
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: system venv fresh-venv install demo test suite guard lint bench check-wheel
+.PHONY: system venv fresh-venv install demo test suite guard lint check-wheel
 
 system:
 	bash scripts/install-system.sh
@@ -43,6 +44,7 @@ suite:
 	$(VPY) -m ruff check .
 	bash scripts/check-wheel.sh --demo
 	$(VPY) -m pytest -x -q tests
+	$(VPY) -m bench.guard
 
 lint:
 	$(VPY) -m ruff check .
@@ -52,3 +54,7 @@ lint:
 # `ckptfs demo` run from outside the repository (about 2 minutes).
 check-wheel:
 	bash scripts/check-wheel.sh --demo
+
+# The benchmark guard alone (under a minute): make test runs it after the suite.
+guard:
+	$(VPY) -m bench.guard
