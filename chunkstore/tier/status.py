@@ -33,7 +33,12 @@ def pid_alive(pid: int) -> bool:
 
 def scan_staging(root: str) -> dict:
     """Read-only view of a staging directory for `ckptfs status`: pending work from the
-    journals themselves (right even after a crash), rates from the live processes' status."""
+    journals themselves (right even after a crash), rates from the live processes' status.
+
+    `upload_rate_bps` is what the uploaders report: encoded (compressed) bytes sent to the
+    nodes, each chunk counted once, averaged over their last 10 s; `pending_bytes` are raw
+    (staged uncompressed), so a fall of pending bytes is faster than the upload rate by the
+    compression ratio."""
     journal = os.path.join(root, "journal")
     segs = []
     total_chunks = total_bytes = 0
@@ -67,6 +72,9 @@ def scan_staging(root: str) -> dict:
                     "pending_bytes": nbytes,
                     "oldest_pending_ns": seg_oldest,
                     "upload_rate_bps": seg_rate,
+                    # the live process's counter of encoded bytes sent (each chunk once):
+                    # two readings give an upload rate over any interval (`status --watch`)
+                    "uploaded_bytes": int(info.get("uploaded_bytes", 0)) if live else 0,
                     "to_upload_chunks": info.get("to_upload_chunks") if live else len(st.pending),
                     "last_error": info.get("last_error", "") if live else "",
                     "torn_tail": st.torn,

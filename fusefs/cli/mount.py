@@ -79,17 +79,56 @@ def _pidfile(mountpoint: str) -> str:
     return os.path.join(data_dir(), "run", f"mount-{h}.pid")
 
 
-def _read_pid(mountpoint: str) -> int | None:
+def default_log(mountpoint: str) -> str:
+    """Where a --background daemon logs without --log: beside the pid files, under the
+    user's data directory, one file per mountpoint (appended to by each mount there)."""
+    h = hashlib.sha1(mountpoint.encode()).hexdigest()[:8]
+    name = os.path.basename(mountpoint.rstrip("/")) or "root"
+    return os.path.join(data_dir(), "log", f"mount-{name}-{h}.log")
+
+
+def volume_key(spec: str) -> str:
+    """A volume as mount records name it: a service URL as given, a directory absolute."""
+    return spec if spec.startswith("ckptfs://") else os.path.abspath(spec)
+
+
+def _read_record(path: str) -> dict | None:
+    """A mount record (pid file): pid, mountpoint, and (since the daemon logs by default)
+    its log file ('' in the foreground) and volume."""
     try:
-        with open(_pidfile(mountpoint)) as f:
-            pid_s, _, mp = f.read().partition("\n")
-        return int(pid_s) if mp.strip() == mountpoint else None
+        with open(path) as f:
+            lines = f.read().split("\n")
+        lines += [""] * (4 - len(lines))
+        return {"pid": int(lines[0]), "mountpoint": lines[1], "log": lines[2], "volume": lines[3]}
     except (OSError, ValueError):
         return None
 
 
+def _read_pid(mountpoint: str) -> int | None:
+    rec = _read_record(_pidfile(mountpoint))
+    return rec["pid"] if rec and rec["mountpoint"] == mountpoint else None
+
+
+def mounts_of(spec: str) -> list[dict]:
+    """This user's mounts of a volume on this host, from their records: pid, mountpoint,
+    log, and whether the daemon is alive (`ckptfs status`)."""
+    run = os.path.join(data_dir(), "run")
+    try:
+        names = sorted(os.listdir(run))
+    except OSError:
+        return []
+    out = []
+    key = volume_key(spec)
+    for name in names:
+        rec = _read_record(os.path.join(run, name)) if name.startswith("mount-") else None
+        if rec and rec["volume"] == key:
+            rec["live"] = pid_alive(rec["pid"])
+            out.append(rec)
+    return out
+
+
 # -- mount -----------------------------------------------------------------------------
-def _check_mountpoint(mp: str) -> None:
+def _check_mountpoint(mp: str, nonempty: bool = False) -> None:
     state = "none" if not mount_fstype(mp) and not os.path.lexists(mp) else mount_state(mp)
     if state == "none" and not os.path.lexists(mp):
         raise MountError(f"mountpoint {mp} does not exist")
@@ -101,6 +140,19 @@ def _check_mountpoint(mp: str) -> None:
         raise MountError(f"{mp} is already a mount point (busy)")
     if not os.path.isdir(mp):
         raise MountError(f"mountpoint {mp} is not a directory")
+    if not nonempty:
+        # The mount would hide these files until it is unmounted (as `mount` without
+        # `-o nonempty` refuses); the user may mean another directory.
+        try:
+            with os.scandir(mp) as it:
+                first = next(it, None)
+        except OSError as e:
+            raise MountError(f"cannot read mountpoint {mp}: {e.strerror}") from None
+        if first is not None:
+            raise MountError(
+                f"mountpoint {mp} is not empty (e.g. {first.name!r}): the mount would hide "
+                "its files; pick an empty directory, or pass --nonempty to mount over them"
+            )
 
 
 def attach_tier(vol, staging: str | None, staging_size: int | None, durability: str | None):
@@ -123,7 +175,9 @@ def _start_metrics(args: argparse.Namespace):
     return server, collector
 
 
-def _serve(args: argparse.Namespace, spec: str, mp: str, on_ready) -> None:
+def _serve(
+    args: argparse.Namespace, spec: str, mp: str, on_ready, logfile: str | None = None
+) -> None:
     from fusefs.client.volume import Volume
     from fusefs.mount.fs import serve
 
@@ -135,7 +189,7 @@ def _serve(args: argparse.Namespace, spec: str, mp: str, on_ready) -> None:
             pidfile = _pidfile(mp)
             os.makedirs(os.path.dirname(pidfile), exist_ok=True)
             with open(pidfile, "w") as f:
-                f.write(f"{os.getpid()}\n{mp}\n")
+                f.write(f"{os.getpid()}\n{mp}\n{logfile or ''}\n{volume_key(spec)}\n")
             try:
                 serve(
                     vol,
@@ -158,7 +212,7 @@ def _serve(args: argparse.Namespace, spec: str, mp: str, on_ready) -> None:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     mp = os.path.abspath(args.mountpoint)
-    _check_mountpoint(mp)
+    _check_mountpoint(mp, args.nonempty)
     spec = args.volume or ensure_default_volume()
     if not spec.startswith("ckptfs://"):
         from fusefs.client.volume import VOLUME_FILE
@@ -166,7 +220,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if not os.path.exists(os.path.join(spec, VOLUME_FILE)):
             raise MountError(f"no volume at {spec} (run `ckptfs format {spec}` first)")
     if args.background:
-        return _background(args, spec, mp)
+        return _background(args, spec, mp, os.path.abspath(args.log or default_log(mp)))
 
     def ready() -> None:
         where = f"; metrics on {args.metrics[0]}:{args.metrics[1]}" if args.metrics else ""
@@ -180,8 +234,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _background(args: argparse.Namespace, spec: str, mp: str) -> int:
-    """Fork a daemon; return once it reports the mount answering (or its error)."""
+def _background(args: argparse.Namespace, spec: str, mp: str, logfile: str) -> int:
+    """Fork a daemon logging to `logfile`; return once it reports the mount answering (or
+    its error). A daemon that dies later leaves its last words there."""
+    try:
+        os.makedirs(os.path.dirname(logfile), exist_ok=True)
+        os.close(os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    except OSError as e:
+        raise MountError(f"cannot write the daemon log {logfile}: {e.strerror}") from None
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the daemon
@@ -189,16 +249,20 @@ def _background(args: argparse.Namespace, spec: str, mp: str) -> int:
         code = 1
         try:
             os.setsid()
-            _redirect(args.log)
+            _redirect(logfile)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            print(f"ckptfs mount: {stamp}: pid {os.getpid()}: {spec} at {mp}", flush=True)
 
             def ready() -> None:
                 os.write(wfd, b"ok\n")
 
-            _serve(args, spec, mp, ready)
+            _serve(args, spec, mp, ready, logfile)
             code = 0
         except BaseException as e:  # reported to the parent, never a traceback on its tty
             msg = str(e) or type(e).__name__
             log.exception("mount failed")
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            print(f"ckptfs mount: {stamp}: pid {os.getpid()} exited: {msg}", flush=True)
             try:
                 os.write(wfd, f"error: {msg}\n".encode())
             except OSError:
@@ -220,17 +284,17 @@ def _background(args: argparse.Namespace, spec: str, mp: str) -> int:
     os.close(rfd)
     text = buf.decode(errors="replace").strip()
     if text == "ok":
-        print(f"ckptfs: {spec} mounted at {mp} (daemon pid {pid})", file=sys.stderr)
+        print(f"ckptfs: {spec} mounted at {mp} (daemon pid {pid}, log {logfile})", file=sys.stderr)
         return 0
     if not text:
-        text = "the mount daemon exited or did not answer in time"
+        text = f"the mount daemon exited or did not answer in time (log {logfile})"
     raise MountError(text.removeprefix("error: "))
 
 
-def _redirect(logfile: str | None) -> None:
+def _redirect(logfile: str) -> None:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
-    out = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600) if logfile else null
+    out = os.open(logfile, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(out, 1)
     os.dup2(out, 2)
     root = logging.getLogger()
@@ -249,6 +313,10 @@ def cmd_umount(args: argparse.Namespace) -> int:
     if state == "mounted" and not fstype.startswith("fuse"):
         raise MountError(f"{mp} is a {fstype} mount, not ckptfs")
     pid = _read_pid(mp)
+    rec = _read_record(_pidfile(mp)) if pid is not None else None
+    logfile = rec["log"] if rec else ""
+    # a kernel that still answers from its cache may not show ENOTCONN yet
+    died = state == "disconnected" or (pid is not None and not pid_alive(pid))
     if args.flush and state == "mounted":
         try:
             os.setxattr(mp, CONTROL_FLUSH, b"1")
@@ -279,8 +347,17 @@ def cmd_umount(args: argparse.Namespace) -> int:
             time.sleep(0.05)
         if pid_alive(pid):
             raise MountError(f"unmounted {mp}, but daemon {pid} is still finishing")
-    what = "cleaned up disconnected mount" if state == "disconnected" else "unmounted"
-    print(f"ckptfs: {what} {mp}", file=sys.stderr)
+    if died:
+        where = f"; why it died may be in its log {logfile}" if logfile else ""
+        print(f"ckptfs: cleaned up disconnected mount {mp} (its daemon died{where})",
+              file=sys.stderr)  # fmt: skip
+        try:
+            os.unlink(_pidfile(mp))  # the dead daemon's record
+        except OSError:
+            pass
+    else:
+        where = f" (daemon log {logfile})" if logfile else ""
+        print(f"ckptfs: unmounted {mp}{where}", file=sys.stderr)
     return 0
 
 
@@ -322,7 +399,17 @@ def register(sub) -> None:
     )
     m.add_argument("--background", "-b", action="store_true", help="daemonize once mounted")
     m.add_argument("--allow-other", action="store_true", help="let other users in (modes apply)")
-    m.add_argument("--log", metavar="FILE", help="daemon log file (with --background)")
+    m.add_argument(
+        "--nonempty",
+        action="store_true",
+        help="mount over a directory that has files (hidden until unmount; refused otherwise)",
+    )
+    m.add_argument(
+        "--log",
+        metavar="FILE",
+        help="daemon log file with --background (default: under the data directory, "
+        "~/.local/share/ckptfs/log/mount-NAME-HASH.log; printed at mount)",
+    )
     m.add_argument(
         "--metrics",
         type=listen_arg,

@@ -28,23 +28,60 @@ def _rate(bps: float) -> str:
     return f"{format_size(bps)}/s"
 
 
-def _snapshot(vol, root: str) -> dict:
+def _snapshot(vol, root: str, spec: str) -> dict:
     """The figures `status` shows: this host's staging (read from its journals and the live
     processes' status files) and the chunks not yet durable anywhere."""
     st = scan_staging(root) if os.path.isdir(root) else scan_staging_empty(root)
     st["volume_staged_chunks"] = vol.stats()["staged_chunks"]
+    st["mounts"] = _mounts(spec)
     return st
 
 
-def _render(st: dict, drain_bps: float | None = None) -> list[str]:
+def _mounts(spec: str) -> list[dict]:
+    """This user's mounts of the volume on this host: where their daemons log."""
+    from fusefs.cli.mount import mounts_of
+
+    return mounts_of(spec)
+
+
+def _render_mounts(mounts: list[dict]) -> list[str]:
+    lines = []
+    for m in mounts:
+        state = f"pid {m['pid']}" if m["live"] else f"pid {m['pid']} (dead)"
+        log = f", log {m['log']}" if m["log"] else ", foreground (no log file)"
+        lines.append(f"mount        {m['mountpoint']}: {state}{log}")
+    return lines
+
+
+def _upload_line(st: dict, window: tuple[float, float, float] | None) -> str:
+    """One upload figure, saying what it measures. Without a window (one `status`, the first
+    refresh of --watch): the uploaders' own average over their last 10 s, of compressed bytes.
+    With one, (seconds, bytes sent compressed, staged bytes made durable) between the last
+    two refreshes: both over the same interval, so they differ only by compression (the
+    staged bytes are raw) and by what was staged meanwhile."""
+    if window is None:
+        return (
+            f"upload rate  {_rate(st['upload_rate_bps'])} sent to the nodes, compressed "
+            "(average of the last 10 s)"
+        )
+    secs, sent, drained = window
+    if drained >= 0:
+        durable = f"pending fell {_rate(drained / secs)} (staged, uncompressed)"
+    else:
+        durable = f"pending grew {_rate(-drained / secs)} (staged faster than sent)"
+    return (
+        f"upload rate  {_rate(sent / secs)} sent to the nodes, compressed; {durable}; "
+        f"over the last {secs:.1f}s"
+    )
+
+
+def _render(st: dict, window: tuple[float, float, float] | None = None) -> list[str]:
     age = st["oldest_pending_age_s"]
-    drain = f", draining {_rate(drain_bps)}" if drain_bps and drain_bps > 0 else ""
     lines = [
         f"staging      {st['staging']} (host {st['host']})",
         f"pending      {st['pending_chunks']} chunks, {format_size(st['pending_bytes'])}"
-        + (f", oldest {age:.1f}s ago" if age is not None else "")
-        + drain,
-        f"upload rate  {_rate(st['upload_rate_bps'])}",
+        + (f", oldest {age:.1f}s ago" if age is not None else ""),
+        _upload_line(st, window),
         f"staged/cache {format_size(st['staged_bytes'])} / {format_size(st['cache_bytes'])}",
         f"volume       {st['volume_staged_chunks']} chunks not yet durable (all hosts)",
     ]
@@ -55,7 +92,7 @@ def _render(st: dict, drain_bps: float | None = None) -> list[str]:
             f"  {s['segment']}: {who}: {s['pending_chunks']} chunks, "
             f"{format_size(s['pending_bytes'])}, {_rate(s['upload_rate_bps'])}{err}"
         )
-    return lines
+    return lines + _render_mounts(st.get("mounts", []))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -70,7 +107,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             raise UserError(f"no staging directory at {root}")
         if args.watch:
             return _watch(args, vol, root)
-        st = _snapshot(vol, root)
+        st = _snapshot(vol, root, args.volume)
     if args.json:
         print(json.dumps(st, indent=2))
         return 0
@@ -87,18 +124,18 @@ def _watch(args: argparse.Namespace, vol, root: str) -> int:
     `juicefs stats`); elsewhere (a pipe, a log) one block per refresh, or one JSON object
     per line with --json. Ctrl-C ends it; --count N after N refreshes."""
     tty = sys.stdout.isatty() and not args.json
-    prev: tuple[float, int] | None = None
+    prev: tuple[float, dict] | None = None
     shown = 0
     try:
         if tty:
             sys.stdout.write(CLEAR)
         while True:
-            st = _snapshot(vol, root)
+            st = _snapshot(vol, root, args.volume)
             now = time.monotonic()
-            drain = None
+            window = None
             if prev is not None and now > prev[0]:
-                drain = (prev[1] - st["pending_bytes"]) / (now - prev[0])
-            prev = (now, st["pending_bytes"])
+                window = _window(prev[1], st, now - prev[0])
+            prev = (now, st)
             if args.json:
                 print(json.dumps(st), flush=True)
             else:
@@ -106,7 +143,7 @@ def _watch(args: argparse.Namespace, vol, root: str) -> int:
                     f"ckptfs status {args.volume}  {time.strftime('%H:%M:%S')}, "
                     f"every {args.interval:g}s (Ctrl-C to stop)"
                 )
-                lines = [head, "", *_render(st, drain)]
+                lines = [head, "", *_render(st, window)]
                 if tty:
                     sys.stdout.write(HOME + "".join(f"{x}{EOL}\n" for x in lines) + EOS)
                 else:
@@ -120,6 +157,19 @@ def _watch(args: argparse.Namespace, vol, root: str) -> int:
         if tty:
             sys.stdout.write("\n")
         return 0
+
+
+def _window(old: dict, new: dict, secs: float) -> tuple[float, float, float]:
+    """(seconds, compressed bytes sent, staged bytes made durable) between two snapshots.
+    Sent bytes count the processes alive in both (a counter is per process: one that
+    started or ended in between would count its whole life)."""
+    before = {s["segment"]: s["uploaded_bytes"] for s in old["segments"] if s["live"]}
+    sent = sum(
+        max(0, s["uploaded_bytes"] - before[s["segment"]])
+        for s in new["segments"]
+        if s["live"] and s["segment"] in before
+    )
+    return secs, float(sent), float(old["pending_bytes"] - new["pending_bytes"])
 
 
 def scan_staging_empty(root: str) -> dict:
