@@ -160,7 +160,7 @@ class Workers:
                         raise HarnessError(f"worker {i} died (exit {self.procs[i].exitcode})")
         return [answers[i] for i in range(len(self.conns))]
 
-    def stop(self, grace: float = 120.0) -> None:
+    def stop(self, grace: float = 120.0, hurry: threading.Event | None = None) -> None:
         """Ask every worker to close its hosts and exit; SIGKILL those still running after
         `grace` seconds (an interrupted run gives them QUICK_STOP: a worker in the middle
         of a drain or a phase would otherwise finish it first, for up to its timeout)."""
@@ -170,8 +170,13 @@ class Workers:
             except OSError:
                 pass
         end = time.monotonic() + grace
-        for p in self.procs:
-            p.join(max(0.1, end - time.monotonic()))
+        hurried = False
+        for p in self.procs:  # `hurry` set (Ctrl-C during a teardown): QUICK_STOP at most
+            while p.is_alive() and time.monotonic() < end:
+                if hurry is not None and hurry.is_set() and not hurried:
+                    hurried = True
+                    end = min(end, time.monotonic() + QUICK_STOP)
+                p.join(max(0.01, min(0.2, end - time.monotonic())))
         for p in self.procs:
             if p.is_alive():
                 p.kill()
@@ -335,10 +340,10 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         worker_logs = env.log_summary()
         faults.abort(timeout=QUICK_STOP if quick else 90.0)
         if workers is not None:
-            workers.stop(grace=QUICK_STOP if quick else 120.0)
+            workers.stop(grace=QUICK_STOP if quick else 120.0, hurry=signals.hurry)
         if meta is not None:
             _close_bounded(meta, QUICK_STOP)
-        env.stop(quick=quick)
+        env.stop(quick=quick or signals.hurry.is_set())
         signals.restore()
         if env.problems:
             say(f"teardown: {'; '.join(env.problems)}")
@@ -408,6 +413,7 @@ class _Signals:
         self.saved: dict[int, object] = {}
         self._lock = threading.Lock()
         self.armed = False
+        self.hurry = threading.Event()  # a signal during the teardown
         if threading.current_thread() is not threading.main_thread():
             return
         sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -431,11 +437,16 @@ class _Signals:
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)  # type: ignore[arg-type]
 
     def hold(self) -> None:
-        """The teardown begins: from now on no signal interrupts it."""
+        """The teardown begins: from now on no signal interrupts it; Ctrl-C or SIGTERM
+        only hurries it (`hurry`: what it still waits for is cut short)."""
         with self._lock:
             self.armed = False
         for s in self.saved:
-            signal.signal(s, signal.SIG_IGN)
+            handler = signal.SIG_IGN if s == signal.SIGUSR1 else self._hurry
+            signal.signal(s, handler)
+
+    def _hurry(self, signum, frame) -> None:
+        self.hurry.set()
 
     def restore(self) -> None:
         for s, h in self.saved.items():

@@ -501,7 +501,7 @@ class Env:
                 self.problems.append(f"{what}: {e}")
 
         for pid in list(self.stopped_pids):
-            step("resume a stopped worker", lambda pid=pid: os.kill(pid, signal.SIGCONT))
+            step("resume a stopped worker", lambda pid=pid: _signal_if_alive(pid, signal.SIGCONT))
         for s in self.servers:  # all asked at once, then each waited for
             step("stop a service replica", s.terminate)
         grace = QUICK_GRACE if quick else 10.0
@@ -523,3 +523,11 @@ class Env:
             if left:
                 self.problems.append(f"namespaces not deleted: {', '.join(left)}")
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _signal_if_alive(pid: int, sig: int) -> None:
+    """A worker the teardown already ended (SIGKILL) needs no SIGCONT."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

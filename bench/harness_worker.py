@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -619,7 +620,8 @@ def _tie_to_coordinator() -> None:
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:  # the coordinator died before the tie was made
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the tie was made
         os._exit(1)
 
 
