@@ -17,7 +17,7 @@ from fusefs.client.volume import VOLUME_FILE, VolumeError
 from metadata.client import read_token_file
 from metadata.engine import MetaEngine, MetaError
 from metadata.engines import DB_WAIT_S, open_engine
-from metadata.protocol import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_FRAME
+from metadata.wire.protocol import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_FRAME
 
 TOKEN_FILE = "meta.token"
 
@@ -112,7 +112,7 @@ def _raise_fd_limit() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
-    from metadata.service import MetaService
+    from metadata.server.service import MetaService
 
     path = os.path.abspath(args.volume)
     desc = _volume_desc(path)
@@ -121,7 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tls = None
     if args.tls_cert or args.tls_key:
         from fusefs.cli.main import UserError
-        from metadata.tls import server_context
+        from metadata.wire.tls import server_context
 
         if not args.tls_cert:
             raise UserError("--tls-key needs --tls-cert")
@@ -278,6 +278,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     from fusefs.cli.backup import register_meta
 
     register_meta(msub)  # backup, backups, restore, dump, load
+    from fusefs.cli.pg import register as register_postgres
+
+    register_postgres(msub)  # postgres: a private cluster for a volume's metadata
     s = msub.add_parser("serve", help="serve a volume's metadata over TCP")
     s.add_argument("volume", help="volume directory (object nodes, token file)")
     s.add_argument("--listen", type=listen_arg, default=("127.0.0.1", 7410), metavar="HOST:PORT")
