@@ -297,3 +297,30 @@ def test_checkpoint_list_columns_fit_long_job_names(tmp_path):
     assert lines[1][:end].endswith(" 1") and lines[2][:end].endswith(" 12345"), lines
     state = lines[0].index("STATE")
     assert lines[1][state:].startswith("published") and lines[2][state:].startswith("open")
+
+
+def test_default_nodes_and_backups_outlive_the_volume_directory(tmp_path):
+    """`format VOL` puts its nodes in VOL.nodes/, beside VOL (they were in VOL/nodes, so the
+    backups meant to survive the loss of VOL went with it): after `rm -rf VOL` the volume
+    is restored from its nodes, and a new format over them is refused."""
+    import shutil
+
+    vol = tmp_path / "vol"
+    out = ckptfs("format", str(vol)).stdout
+    nodes_dir = tmp_path / "vol.nodes"
+    assert f"nodes:    {nodes_dir}/n0..n3" in out and "backups:" in out, out
+    assert not (vol / "nodes").exists()
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(200_000))  # past the inline size: its chunks go to the nodes
+    ckptfs("put", str(vol), str(src), "/keep.bin")
+    ckptfs("meta", "backup", str(vol))
+    shutil.rmtree(vol)
+
+    node_args = [a for i in range(4) for a in ("--node", f"dir:{nodes_dir}/n{i}")]
+    assert ckptfs("meta", "backups", *node_args).stdout.strip()
+    _assert_clean_error(ckptfs("format", str(vol), check=False), "already holds nodes")
+    assert not vol.exists()
+    new = tmp_path / "restored"
+    ckptfs("meta", "restore", str(new), *node_args)
+    ckptfs("get", str(new), "/keep.bin", str(tmp_path / "back"))
+    assert (tmp_path / "back").read_bytes() == src.read_bytes()

@@ -36,6 +36,11 @@ def test_demo_runs_and_cleans_up(tmp_path):
     assert set(rows) == {"DCP step 1", "DCP step 2", "torch.save"}
     dedup2 = float(rows["DCP step 2"].split()[-2])
     assert dedup2 > 5  # the frozen backbone and embedding are not stored again
+    # STORED is measured after the tier compressed and uploaded the new chunks (it showed
+    # the raw staged bytes, equal to NEW, which read as "compression is off")
+    new1, stored1 = _sizes(rows["DCP step 1"])[1:3]
+    assert 0 < stored1 < 0.95 * new1, rows["DCP step 1"]
+    assert "STORED: what they take on the nodes" in out
     assert re.search(r"timeline of demo-\S+ step 2: published, 4/4 ranks", out)
     # cleaned up: no mount left, no temporary directory, the demo's files removed
     with open("/proc/self/mountinfo") as f:
@@ -51,3 +56,13 @@ def test_demo_runs_and_cleans_up(tmp_path):
         timeout=60,
     )
     assert ls.returncode == 0 and "demo-" not in ls.stdout
+    # the embedded default volume keeps its nodes beside it, not inside it
+    assert os.path.isdir(vol + ".nodes/n0") and not os.path.exists(os.path.join(vol, "nodes"))
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def _sizes(row: str) -> list[float]:
+    """The sizes of a table row in bytes, in column order (LOGICAL, NEW, STORED)."""
+    return [float(n) * _UNITS[u] for n, u in re.findall(r"([\d.]+) (B|KiB|MiB|GiB)\b", row)]

@@ -100,6 +100,7 @@ def rank_main(rank: int, port: int, spec: str, mnt: str, job: str, steps: int, o
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
+    from fusefs.cli.mount import CONTROL_FLUSH
     from fusefs.dcp import CkptfsReader, CkptfsWriter, volume_for
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -138,9 +139,12 @@ def rank_main(rank: int, port: int, spec: str, mnt: str, job: str, steps: int, o
             before = meta.stats().as_dict() if meta else None
             path = f"{job}/step-{step:06d}"
             sd = _state(net, emb_dt, step)
-            t_save = timed(
-                lambda sd=sd, path=path: dcp.save(sd, storage_writer=CkptfsWriter(spec, path))
-            )
+            writer = CkptfsWriter(spec, path)
+            t_save = timed(lambda sd=sd, writer=writer: dcp.save(sd, storage_writer=writer))
+            # Untimed: wait until the tier has uploaded (and so compressed) the new chunks, so
+            # STORED is what the nodes hold, not the raw staged bytes.
+            _drain(volume_for(spec, writer.tier))
+            dist.barrier()
             if meta:
                 info = meta.checkpoint_info(job, step)
                 after = meta.stats().as_dict()
@@ -178,6 +182,9 @@ def rank_main(rank: int, port: int, spec: str, mnt: str, job: str, steps: int, o
                 os.fsync(f.fileno())
 
         t_tsave = timed(save_mount)
+        if rank == 0:  # untimed, as above: the mount's tier uploads what it staged
+            os.setxattr(mnt, CONTROL_FLUSH, b"1")
+        dist.barrier()
         loaded: dict = {}
         t_tload = timed(lambda: loaded.update(torch.load(fname, weights_only=True)))
         mount_ok = _same(loaded, local)
@@ -213,6 +220,12 @@ def rank_main(rank: int, port: int, spec: str, mnt: str, job: str, steps: int, o
         dist.destroy_process_group()
 
 
+def _drain(vol) -> None:
+    """Wait until this process's write-behind tier has its staged chunks on the nodes."""
+    if vol.tier is not None:
+        vol.tier.flush(timeout=300)
+
+
 # -- the driver -------------------------------------------------------------------------------
 def _spawn_ranks(port: int, spec: str, mnt: str, job: str, steps: int, out: str) -> None:
     import torch.multiprocessing as tmp
@@ -243,6 +256,10 @@ def _table(res: dict, spec: str, mnt: str, elapsed: float) -> str:
             f"{format_size(r['logical']):>10} {format_size(r['new']):>10} "
             f"{format_size(r['stored']):>10} {f(r['dedup'], '.2f'):>6}  {r['state']}"
         )
+    out.append(
+        "NEW: bytes no earlier save had; STORED: what they take on the nodes once the tier "
+        "has compressed and uploaded them (one replica)"
+    )
     out.append(
         "reload: DCP (CkptfsReader) "
         + ("== trained model" if res["dcp_ok"] else "DIFFERS from the trained model")

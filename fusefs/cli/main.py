@@ -18,12 +18,12 @@ import sys
 from importlib.metadata import entry_points
 
 from chunkstore.codec import CODECS
-from chunkstore.nodes import NodeError
+from chunkstore.nodes import NodeError, redact_url
 from chunkstore.store import ChunkStoreError
 from fusefs.cli.progress import Progress
 from fusefs.cli.text import shown
 from fusefs.cli.units import format_size, parse_size
-from fusefs.client.volume import Volume, VolumeError, VolumeSettings
+from fusefs.client.volume import Volume, VolumeError, VolumeSettings, default_nodes_dir
 from metadata.engine import MetaError
 
 # Modules of this package that add subcommands: each defines register(subparsers).
@@ -66,10 +66,28 @@ def cmd_format(args: argparse.Namespace) -> int:
     )
     nodes: int | list[str] = args.node if args.node else args.nodes
     with Volume.create(args.volume, nodes=nodes, settings=settings, db=args.db) as vol:
+        path = os.path.abspath(args.volume)
+        meta = redact_url(args.db) if args.db else f"SQLite in {path}"
         print(
             f"formatted {args.volume}: {len(vol.store.nodes)} nodes, R={settings.replicas}, "
             f"{format_size(settings.chunk_size)} {settings.chunking} chunks, {settings.compression}"
         )
+        print(f"  metadata: {meta}")
+        urls = [redact_url(n.info.url) for n in vol.store.nodes]
+        if not args.node:
+            shown_nodes = f"{default_nodes_dir(path)}/n0..n{len(urls) - 1}"
+        else:
+            shown_nodes = ", ".join(urls)
+        print(f"  nodes:    {shown_nodes} (chunks)")
+        if settings.backup_interval > 0:
+            backups = (
+                f"metadata snapshots on the nodes every {settings.backup_interval:g} s while "
+                f"`meta serve` or a mount runs (newest {settings.backup_keep} kept), and at "
+                "each `ckptfs meta backup`"
+            )
+        else:
+            backups = "metadata snapshots on the nodes at each `ckptfs meta backup`"
+        print(f"  backups:  {backups}")
     return 0
 
 
@@ -207,7 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("format", help="create a volume")
     f.add_argument("volume", help="volume directory")
-    f.add_argument("--nodes", type=int, default=4, help="local directory nodes (default 4)")
+    f.add_argument(
+        "--nodes",
+        type=int,
+        default=4,
+        help="local directory nodes without --node (default 4), in VOLUME.nodes/ beside the "
+        "volume directory, so the chunks and metadata backups outlive its loss",
+    )
     f.add_argument(
         "--node",
         action="append",

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 from chunkstore import codec
@@ -166,10 +166,18 @@ class Volume:
             raise VolumeError(f"{path} already holds a volume")
         if os.path.exists(path) and not os.path.isdir(path):
             raise VolumeError(f"{path} exists and is not a directory")
+        nodes_dir = None
         if isinstance(nodes, int):
             if not 1 <= nodes <= 256:
                 raise VolumeError(f"node count must be 1..256, not {nodes}")
-            urls = [f"dir:nodes/n{i}" for i in range(nodes)]
+            nodes_dir = default_nodes_dir(path)
+            if _holds_files(nodes_dir):
+                raise VolumeError(
+                    f"{nodes_dir} already holds nodes (of an earlier volume? `ckptfs meta "
+                    f"backups --node dir:{nodes_dir}/n0 ...` lists its backups): restore from "
+                    "it, remove it, or give this volume other nodes with --node"
+                )
+            urls = [f"dir:{nodes_dir}/n{i}" for i in range(nodes)]
         else:
             urls = list(nodes)
         if not urls:
@@ -199,7 +207,10 @@ class Volume:
         meta_url = db or "sqlite:meta.db"
         nodes_objs: list[ObjectNode] = []
         try:
-            with making_volume(path) as closers:
+            with (
+                making_volume(nodes_dir) if nodes_dir else nullcontext(),
+                making_volume(path) as closers,
+            ):
                 # Nodes first: an unreachable node must fail the format before any metadata
                 # exists (it used to leave meta.db without volume.json, and a traceback).
                 for info in infos:
@@ -553,6 +564,21 @@ def _open_engine(url: str, base_dir: str) -> MetaEngine:
         return open_engine(url, base_dir)
     except EngineURLError as e:
         raise VolumeError(str(e)) from None
+
+
+def _holds_files(path: str) -> bool:
+    """Is there a file anywhere under `path` (a node's chunk or backup object)?"""
+    return any(files for _, _, files in os.walk(path))
+
+
+def default_nodes_dir(path: str) -> str:
+    """Where `ckptfs format VOL` puts its local directory nodes without --node: `VOL.nodes`,
+    beside the volume directory, not in it. The nodes hold the chunks and the metadata
+    backups, which exist to survive the loss of the volume directory (the metadata), so
+    they must not be deleted with it; a sibling stays on the same filesystem and is found
+    by name. Volumes formatted before (nodes in VOL/nodes) keep working: the config records
+    every node's URL."""
+    return os.path.abspath(path) + ".nodes"
 
 
 @contextmanager
