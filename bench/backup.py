@@ -51,7 +51,7 @@ def _build(vol_dir: str, nodes: list[str], files: int, per_file: int) -> None:
 
 def _snapshot_open(pid: int, db: str) -> bool:
     """Whether process `pid` holds two descriptors on `db`: the engine's connection and
-    the snapshot's (metadata/sqlite.py `_snapshot_open`)."""
+    the snapshot's (metadata/engines/sqlite.py `_snapshot_open`)."""
     n = 0
     try:
         for fd in os.listdir(f"/proc/{pid}/fd"):

@@ -53,7 +53,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from metadata.checkpoints import CHK, EXT  # noqa: E402
+from metadata.sql.checkpoints import CHK, EXT  # noqa: E402
 
 FILES, EXTENTS, EXT_LEN = 4, 16, 1 << 20
 
@@ -122,7 +122,7 @@ def worker(url: str, job: str, step: int, ranks: list[int], barrier, out, leases
     latest = _pipelined(client, latests)
     barrier.wait()
     # --leases: each rank asks "which of my chunks exist?" first, as a real writer does
-    # before storing them; the answer leases every one (metadata/leases.py)
+    # before storing them; the answer leases every one (metadata/sql/leases.py)
     lease = _pipelined(client, asks) if leases else (0.0, 0.0, [])
     barrier.wait()
     commit = _pipelined(client, commits)

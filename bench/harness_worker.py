@@ -43,7 +43,7 @@ from bench.harness_data import ShardMaker
 from chunkstore.nodes import NodeInfo, ObjectNode, open_node
 from fusefs.client.batch import StagedFile, Timings, read_many, stage_files
 from fusefs.client.volume import Volume
-from metadata.checkpoints import unpack_extents
+from metadata.sql.checkpoints import unpack_extents
 
 PROGRESS_EVERY = 0.25
 

@@ -21,7 +21,7 @@ followed by a jittered exponential backoff, and so on until the retry window
 while any replica answers within it. After a reconnect every unanswered
 request is sent again with its original idempotency key, and the service
 applies it once whichever replica it reaches (the database keeps what makes it
-so: see metadata/requests.py). `failovers` counts the connections opened on
+so: see metadata/sql/requests.py). `failovers` counts the connections opened on
 another replica than the previous one, each logged in one line;
 `reconnects` every connection after the first.
 
@@ -53,7 +53,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from metadata.ckptformat import pack_files
 from metadata.engine import MetaEngine, MetaError
-from metadata.protocol import (
+from metadata.wire.protocol import (
     MAX_FRAME,
     MUTATING_METHODS,
     PROTO_VERSION,
@@ -63,7 +63,7 @@ from metadata.protocol import (
     decode,
     encode_frame,
 )
-from metadata.tls import TlsSocket, client_context, describe_tls_error
+from metadata.wire.tls import TlsSocket, client_context, describe_tls_error
 
 log = logging.getLogger("ckptfs.meta")
 

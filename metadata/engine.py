@@ -451,7 +451,7 @@ class MetaEngine(ABC):
     # -- change feed ----------------------------------------------------------------------
     def changes_since(self, after: int | None, limit: int = 4096) -> tuple[int, int, list]:
         """The inodes changed since sequence number `after`, for clients that cache
-        metadata (metadata/changes.py): (oldest, newest, [[seq, ino], ...]). ENOSYS where
+        metadata (metadata/sql/changes.py): (oldest, newest, [[seq, ino], ...]). ENOSYS where
         there is no change log: such a client keeps its caches short instead."""
         raise MetaError(errno.ENOSYS, "this metadata engine keeps no change log")
 

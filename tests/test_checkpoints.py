@@ -11,9 +11,9 @@ import time
 import pytest
 
 from fusefs.client.volume import Volume
-from metadata.checkpoints import unpack_extents
 from metadata.client import connect
 from metadata.engine import DURABLE, STAGED, Extent, MetaError, NewChunk
+from metadata.sql.checkpoints import unpack_extents
 
 FILES = 2
 

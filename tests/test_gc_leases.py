@@ -1,6 +1,6 @@
 """gc against writers in flight (audit 3.1): a file open past the grace period while gc
 runs keeps its data readable after its commit, or its commit fails with a clear error;
-never an unreadable committed file. See metadata/leases.py."""
+never an unreadable committed file. See metadata/sql/leases.py."""
 
 from __future__ import annotations
 

@@ -221,7 +221,7 @@ def _every_family() -> dict[str, str]:
         _Info,
         _ScrapeCost,
     )
-    from metadata.servicestats import ServiceStats
+    from metadata.server.stats import ServiceStats
 
     fs = SimpleNamespace(
         op_counts={"write": 1}, op_errors={"lookup": 1}, bytes_read=0, bytes_written=0,

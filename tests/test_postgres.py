@@ -252,7 +252,7 @@ def test_group_commit_isolates_conflicting_ranks(vol):
 def _spoilt(cids: list[bytes], how: str = "") -> tuple[int, bytes, bytes]:
     """(size, packed extents, packed new chunks) of a file made of `cids`, 10 bytes each,
     spoilt as `how` says ("" leaves it good)."""
-    from metadata.checkpoints import CHK, EXT
+    from metadata.sql.checkpoints import CHK, EXT
 
     ext = [(10 * i, 10, 0, cid) for i, cid in enumerate(cids)]
     chk = [(cid, 10, 5, 1) for cid in cids]
@@ -317,8 +317,8 @@ def test_column_checks_refuse_each_bad_rank_alone(vol):
     """The column path (typed files) must not let any bad rank through: a batch with one
     bad rank of each kind gives that rank the error it gets alone and commits the rest;
     a batch with a rank of no files stays on the column path."""
-    from metadata.checkpoints import WireFile
     from metadata.ckptcheck import prepare_commits
+    from metadata.sql.checkpoints import WireFile
 
     m = vol.meta
     n = BIG_BATCH + 4
@@ -356,7 +356,7 @@ def test_grouped_journal_rows_apply_and_abort_per_rank(vol):
     """A group commit journals up to JOURNAL_GROUP ranks per row, and a rank whose extents
     are exactly its new chunks only once (`owned`). Applied, every refcount is the true
     one; an abort drops the rows still pending and takes back what was applied."""
-    from metadata.checkpoints import JOURNAL_GROUP
+    from metadata.sql.checkpoints import JOURNAL_GROUP
 
     m = vol.meta
     n = max(BIG_BATCH, JOURNAL_GROUP) + 5
@@ -430,8 +430,8 @@ def test_typed_wire_commits_get_the_errors_of_dict_commits(vol):
     """The service decodes a well-typed commit_rank into WireFiles (protocol.parse_commit)
     and checks a big batch of them on a fast path; every rank must get exactly what the
     same files as dicts get: the good ones commit, each bad one its own error."""
-    from metadata.checkpoints import CHK, EXT, WireFile
-    from metadata.protocol import encode, parse_commit
+    from metadata.sql.checkpoints import CHK, EXT, WireFile
+    from metadata.wire.protocol import encode, parse_commit
 
     m = vol.meta
     n = BIG_BATCH + 8
@@ -489,8 +489,8 @@ def test_column_checks_match_the_rank_by_rank_checks(tmp_path):
     """A big batch of typed commits is validated column by column; each rank must come out
     exactly as it does checked alone: same digest (a retry is recognised either way),
     files in path order, sizes, new bytes, journal blobs and directories."""
-    from metadata.checkpoints import CHK, EXT, WireFile
     from metadata.ckptcheck import prepare_commits
+    from metadata.sql.checkpoints import CHK, EXT, WireFile
 
     v = Volume.create(str(tmp_path / "vol"), nodes=2)
 
@@ -531,7 +531,7 @@ def test_inline_sqlite_connection_never_waits_nor_applies_the_journal(tmp_path):
     import sqlite3
     import time
 
-    from metadata.sqlite import SqliteEngine
+    from metadata.engines.sqlite import SqliteEngine
 
     path = str(tmp_path / "vol")
     v = Volume.create(path, nodes=2)
@@ -592,7 +592,7 @@ def test_blocks_count_stored_bytes_not_holes(vol):
     """st_blocks (Attr.blocks) counts the bytes a file's extents cover: a sparse file's
     holes take none, whether written by a file commit, cut by a truncate, grown by one,
     or committed by a checkpoint rank."""
-    from metadata.checkpoints import CHK, EXT
+    from metadata.sql.checkpoints import CHK, EXT
 
     m = vol.meta
     f = m.create(ROOT_INO, b"sparse", stat.S_IFREG | 0o644, 0, 0)
@@ -634,7 +634,7 @@ def _made_older(v: Volume, ddl: str) -> str:
 def test_an_older_volume_gets_the_alloc_column_at_open(tmp_path):
     """A volume made before inodes.alloc: opening it adds the column; its files report
     st_blocks from their size until they are written again."""
-    from metadata.sqlite import SqliteEngine
+    from metadata.engines.sqlite import SqliteEngine
 
     v = Volume.create(str(tmp_path / "vol"), nodes=2)
     f = v.meta.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
@@ -860,7 +860,7 @@ def test_sync_makes_lazy_commits_durable(vol, monkeypatch):
     for a WAL file its directory too (SQLite syncs the directory of a WAL it made only at
     its own first sync of it). PostgreSQL commits are durable already: sync changes
     nothing there. Either way another connection sees the commit."""
-    import metadata.sqlite
+    import metadata.engines.sqlite
 
     synced: list[str] = []
     real = os.fsync
@@ -869,7 +869,7 @@ def test_sync_makes_lazy_commits_durable(vol, monkeypatch):
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real(fd)
 
-    monkeypatch.setattr(metadata.sqlite.os, "fsync", spy)
+    monkeypatch.setattr(metadata.engines.sqlite.os, "fsync", spy)
     f = vol.meta.create(ROOT_INO, b"f", stat.S_IFREG | 0o644, 0, 0)
     vol.meta.commit_file(f.ino, [], 10, [])
     lazy = list(synced)
@@ -995,9 +995,9 @@ def _oracle(files: list) -> tuple[list, int, bytes] | MetaError:
 
     import xxhash
 
-    from metadata.checkpoints import CHK, EXT
     from metadata.ckptcheck import check_int, split_rel
     from metadata.engine import DURABLE, chunk_lengths_ok
+    from metadata.sql.checkpoints import CHK, EXT
 
     out, seen, new = [], set(), 0
     try:
@@ -1048,8 +1048,8 @@ def test_commit_checks_agree_with_the_rules_read_file_by_file():
     batches with faults of every kind, several per rank, values past 2**62 and 2**64."""
     import random
 
-    from metadata.checkpoints import CHK, EXT, WireFile
     from metadata.ckptcheck import prepare_commits
+    from metadata.sql.checkpoints import CHK, EXT, WireFile
 
     rnd = random.Random(1234)
     big = [0, 1, 2**40, 2**62 - 1, 2**62, 2**63, 2**64 - 1]

@@ -44,7 +44,7 @@ def replicas(tmp_path, pg_url, meta_server):
 
 
 def _engine(pg_url: str):
-    from metadata.postgres import PostgresEngine
+    from metadata.engines.postgres import PostgresEngine
 
     return PostgresEngine(pg_url)
 
@@ -374,7 +374,7 @@ def test_gc_waits_for_a_commit_that_references_an_unreferenced_chunk(tmp_path, p
 def test_a_deadlock_reruns_one_transaction_and_both_finish(tmp_path, pg_url):
     """Two transactions locking two inodes in opposite orders: PostgreSQL rolls one back
     (deadlock), `retried` runs it again from the start, and both finish."""
-    from metadata.txlocks import retried
+    from metadata.sql.txlocks import retried
 
     vol = Volume.create(str(tmp_path / "vol"), nodes=2, db=pg_url)
     e1, e2 = vol.meta, _engine(pg_url)
@@ -478,7 +478,7 @@ def test_only_errors_that_waiting_cures_are_waited_for():
     a wrong password or a TLS mismatch, which fail at once."""
     import psycopg
 
-    from metadata.postgres import _transient
+    from metadata.engines.postgres import _transient
 
     def err(text: str) -> psycopg.OperationalError:
         return psycopg.OperationalError(

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fusefs.client.volume import Volume
 from metadata.client import connect
 from metadata.engine import INLINE, Extent, MetaError, NewChunk
-from metadata.protocol import (
+from metadata.wire.protocol import (
     PROTO_VERSION,
     FrameDecoder,
     ProtocolError,
@@ -51,7 +51,7 @@ def _raw(server, hello: bool = True) -> socket.socket:
 
 
 def _recv_frame(s: socket.socket):
-    from metadata.protocol import decode
+    from metadata.wire.protocol import decode
 
     dec = FrameDecoder()
     for _ in range(1000):
@@ -166,8 +166,8 @@ def test_connections_that_never_say_hello_are_dropped_oldest_first(tmp_path, mon
     (about 1,100 of them let 3 of 11 real clients in within 3 s)."""
     import trio
 
-    import metadata.service as service
-    from metadata.sqlite import SqliteEngine
+    import metadata.server.service as service
+    from metadata.engines.sqlite import SqliteEngine
 
     monkeypatch.setattr(service, "MAX_HANDSHAKES", 8)
     Volume.create(str(tmp_path / "vol"), nodes=2).close()
@@ -251,8 +251,8 @@ def test_a_big_resend_after_a_restart_is_answered(served):
     import signal
     from concurrent.futures import wait
 
-    from metadata.conn import OUT_MAX
-    from metadata.protocol import encode_answer
+    from metadata.server.conn import OUT_MAX
+    from metadata.wire.protocol import encode_answer
 
     c = connect(served.url)
     d = c.create(1, b"d", 0o40755, 0, 0)
@@ -560,7 +560,7 @@ def test_joined_manifest_slices_decode_as_one_list():
     (up to 15 items, up to 65,535, more)."""
     import msgspec
 
-    from metadata.service import _joined
+    from metadata.server.service import _joined
 
     enc = msgspec.msgpack.Encoder()
     for sizes in ([0], [3, 12], [15, 1], [16, 0, 5], [40000, 25535], [65535, 1], [70000, 3]):
@@ -575,8 +575,8 @@ def test_group_commit_answers_every_rank_when_acknowledging_fails():
     pipeline shuts down when its nursery is cancelled."""
     import trio
 
-    from metadata.groupcommit import GroupCommit
-    from metadata.service import _Slot
+    from metadata.server.groupcommit import GroupCommit
+    from metadata.server.service import _Slot
 
     class Engine:
         def prepare_commits(self, items: list) -> tuple:
@@ -616,8 +616,8 @@ def test_read_batches_share_identical_calls_and_never_a_running_read():
     and sees every write made before it was queued."""
     import trio
 
-    from metadata.readbatch import ReadBatcher
-    from metadata.service import _Slot
+    from metadata.server.readbatch import ReadBatcher
+    from metadata.server.service import _Slot
 
     class Engine:
         def __init__(self) -> None:

@@ -22,7 +22,7 @@ from fusefs.cli.service import ensure_token
 from fusefs.client.volume import Volume, VolumeError
 from metadata.client import connect
 from metadata.engine import MetaError
-from metadata.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
+from metadata.wire.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
 
 TOKEN = "a-token-of-at-least-sixteen-characters"
 
@@ -32,8 +32,8 @@ def _service(vol: str, **kw: object) -> Iterator[tuple[object, int]]:
     """A MetaService over the volume's SQLite engine, on a trio thread of its own."""
     import trio
 
-    from metadata.service import MetaService
-    from metadata.sqlite import SqliteEngine
+    from metadata.engines.sqlite import SqliteEngine
+    from metadata.server.service import MetaService
 
     engine = SqliteEngine(os.path.join(vol, "meta.db"))
     svc = MetaService(engine, TOKEN, base_dir=vol, **kw)  # type: ignore[arg-type]

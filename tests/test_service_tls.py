@@ -16,7 +16,7 @@ from bench.servers.metaserve import self_signed
 from fusefs.client.volume import Volume
 from metadata.client import connect
 from metadata.engine import MetaError
-from metadata.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
+from metadata.wire.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
 from tests.test_checkpoints import FILES, rank_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -125,7 +125,7 @@ def test_a_batch_of_files_is_one_pass_with_the_records_a_file_writer_makes(vol, 
     two files share is new in both commits' records but stored once; commit_rank takes
     the records and the files read back whole through read_many."""
     from fusefs.client.batch import read_many, stage_files
-    from metadata.checkpoints import unpack_extents
+    from metadata.sql.checkpoints import unpack_extents
 
     vol.attach_tier(str(tmp_path / "staging"), durability="local")
     rng = __import__("random").Random(7)

@@ -1,6 +1,6 @@
 """`ckptfs meta backup|backups|restore|dump|load`: metadata backups on the object nodes,
 restoring a volume from its nodes alone, and moving a volume between SQLite and
-PostgreSQL through one engine-independent dump (metadata/dump.py, fusefs/maint/backup.py)."""
+PostgreSQL through one engine-independent dump (metadata/sql/dump.py, fusefs/maint/backup.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from fusefs.cli.text import shown
 from fusefs.cli.units import format_size
 from fusefs.client.volume import VOLUME_FILE, Volume, making_volume, write_volume_file
 from fusefs.maint import backup as bk
-from metadata.dump import DumpError, load_dump, read_records, write_dump
 from metadata.engines import open_engine
+from metadata.sql.dump import DumpError, load_dump, read_records, write_dump
 
 
 def _user_error(msg: str) -> Exception:

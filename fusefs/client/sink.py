@@ -138,7 +138,7 @@ class ChunkSink:
             self._lease(missing)
         return missing
 
-    # -- leases of uncommitted chunks (metadata/leases.py) ---------------------------------
+    # -- leases of uncommitted chunks (metadata/sql/leases.py) ---------------------------------
     def _lease(self, ids: set[bytes]) -> None:
         """The metadata leased these ids to us (missing_chunks): renew them until a commit
         registers them, so gc keeps their objects however long the file stays open."""

@@ -1,7 +1,7 @@
 """Metadata backups stored on the object nodes, and restoring a volume from the nodes alone.
 
 Lose the database and every chunk on the nodes is anonymous bytes. So a backup is the
-metadata dump (metadata/dump.py: engine-independent, zstd, consistent) stored where the
+metadata dump (metadata/sql/dump.py: engine-independent, zstd, consistent) stored where the
 chunks are, replicated and checksummed like them:
 
 - The dump stream is cut into pieces of PIECE_SIZE bytes. Each piece is a chunk object
@@ -52,10 +52,10 @@ from chunkstore.nodes import (
 )
 from chunkstore.store import ChunkStore
 from fusefs.client.volume import VOLUME_FILE, making_volume, write_volume_file
-from metadata.dump import DumpError, iter_table, load_dump, read_records, write_dump
 from metadata.engine import INLINE
 from metadata.engines import open_engine
 from metadata.periodic import capped, run_periodic
+from metadata.sql.dump import DumpError, iter_table, load_dump, read_records, write_dump
 
 log = logging.getLogger("ckptfs.backup")
 

@@ -8,7 +8,7 @@ backup names it (fusefs/maint/backup.py; backups' own objects stay too), and the
 condemns it (`gc_orphan_objects`): no row names it and no writer holds a lease on it. A
 writer's uncommitted chunks are leased from the "which exist?" answer until its commit,
 however long the file stays open; a lease that lapsed is refused at commit, so no commit
-names an object gc may have deleted (metadata/leases.py has the races).
+names an object gc may have deleted (metadata/sql/leases.py has the races).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def gc(vol: Volume, *, grace: float = DEFAULT_GRACE, progress: bool | None = Non
                 for i in range(0, len(old), BATCH):
                     part = old[i : i + BATCH]
                     # ...and the others are condemned for DOOM_S: no row, no writer's lease
-                    # on them, none granted until then (metadata/leases.py); deleted before
+                    # on them, none granted until then (metadata/sql/leases.py); deleted before
                     # the deadline or not at all
                     asked = time.monotonic()
                     doomed = vol.meta.gc_orphan_objects([cid for cid, _ in part], DOOM_S)

@@ -17,7 +17,7 @@ Consistency (docs/ARCHITECTURE.md, "Metadata caching"):
   updates its own caches for its own operations, and this module is updated in the
   same step of the event loop.
 - A change made anywhere else (another mount, host or process: a DCP save, `ckptfs put`,
-  a retention pass) is in the metadata's change log (metadata/changes.py) when its
+  a retention pass) is in the metadata's change log (metadata/sql/changes.py) when its
   transaction commits. Every FEED_POLL_S (0.5 s) the mount reads the log past what it
   has seen and, for each changed inode it caches, drops its attributes from both caches;
   for each changed directory, it looks its cached names up again and invalidates those

@@ -55,7 +55,7 @@ DUMP_TABLES = (
 )
 IDENTITY = {"inodes": "ino", "dentries": "id", "ref_journal": "id"}  # PostgreSQL sequences
 EXT_SIZE = 40  # bytes per packed extent (metadata.ckptformat.EXT)
-PUBLISHED = 1  # ckpt_steps.state of a published step (metadata.checkpoints)
+PUBLISHED = 1  # ckpt_steps.state of a published step (metadata.sql.checkpoints)
 _LEN = struct.Struct("<I")
 MAX_RECORD = 1 << 30  # a length above this is a corrupt dump, not an allocation
 

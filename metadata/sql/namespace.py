@@ -26,7 +26,7 @@ from metadata.engine import (
     check_name,
     check_u32,
 )
-from metadata.txlocks import RENAME_LOCK, retried
+from metadata.sql.txlocks import RENAME_LOCK, retried
 
 ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation, alloc"
 _LOOKUP_SQL = (

@@ -15,7 +15,7 @@ from typing import Any
 
 from metadata.ckptformat import blob_chunk_ids
 from metadata.engine import ChunkRow, check_new_chunks
-from metadata.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
+from metadata.sql.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
 
 
 class MaintenanceMixin:

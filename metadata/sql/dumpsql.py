@@ -1,4 +1,4 @@
-"""The SQL side of dump and load (metadata/dump.py): a read snapshot to stream tables out
+"""The SQL side of dump and load (metadata/sql/dump.py): a read snapshot to stream tables out
 of, and a bulk loader into an empty database. Shared by both engines; each supplies how a
 snapshot connection is opened and how it streams a query (`_snapshot_open`,
 `_snapshot_rows`, `_snapshot_has`) and what follows a load (`_after_load`)."""

@@ -29,8 +29,8 @@ from metadata.engine import (
     check_extents,
     check_new_chunks,
 )
-from metadata.namespace import ATTR_COLS, attr_of
-from metadata.txlocks import CHUNK_GATE, retried
+from metadata.sql.namespace import ATTR_COLS, attr_of
+from metadata.sql.txlocks import CHUNK_GATE, retried
 
 
 def _now() -> int:

@@ -11,13 +11,13 @@ import os
 import time
 from typing import Any
 
-from metadata.checkpoints import PUBLISHED, STATE_NAMES, rank_ranges
 from metadata.ckptcheck import check_job, manifest_ranks, no_durable_step
 from metadata.ckptformat import INO, blob_chunk_ids
 from metadata.engine import (
     STAGED,
     MetaError,
 )
+from metadata.sql.checkpoints import PUBLISHED, STATE_NAMES, rank_ranges
 
 DURABLE_SEEN_MAX = 4096  # (job, step) pairs remembered as durable by latest_durable
 
@@ -73,7 +73,7 @@ class CheckpointQueryMixin:
         a step found durable is remembered, keyed by (job, step, created, the change log's
         last number): a step's chunks stay durable while nothing rewrites its files (gc
         takes only unreferenced chunks), a rewrite of any inode advances the change log
-        (metadata/changes.py, a trigger on every inode update), and the published steps
+        (metadata/sql/changes.py, a trigger on every inode update), and the published steps
         are read afresh on every call, so a step deleted since, deleted and begun again (a
         new `created`) or written to since is never answered from memory, by this replica
         or any other. A step is checked and remembered within one read transaction."""

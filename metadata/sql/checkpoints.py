@@ -49,7 +49,7 @@ from metadata.engine import (
     UnknownChunks,
     internal_error,
 )
-from metadata.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
+from metadata.sql.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
 
 __all__ = [  # the packing helpers, importable from here as before
     "CHK", "EXT", "INO", "RANK", "WireFile", "blob_chunk_ids", "file_fields", "pack_chunks",

@@ -49,7 +49,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from metadata.engine import MetaError
-from metadata.txlocks import CHUNK_GATE, retried
+from metadata.sql.txlocks import CHUNK_GATE, retried
 
 LEASE_TTL_S = 1800.0  # a writer renews every RENEW_EVERY_S (sink.py), well within it
 LEASE_PURGE_S = 7 * 86400.0  # lapsed leases and released dooms kept this long

@@ -56,11 +56,14 @@ import trio
 
 from metadata.ckptcheck import manifest_ranks, no_durable_step
 from metadata.ckptformat import file_fields, pack_files
-from metadata.conn import Conn, Link, SocketLink, StreamLink
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
-from metadata.groupcommit import GroupCommit
 from metadata.periodic import run_periodic
-from metadata.protocol import (
+from metadata.server.conn import Conn, Link, SocketLink, StreamLink
+from metadata.server.groupcommit import GroupCommit
+from metadata.server.readbatch import ReadBatcher
+from metadata.server.stats import ServiceStats
+from metadata.sql.requests import ONCE_METHODS
+from metadata.wire.protocol import (
     IDLE_TIMEOUT,
     MAX_CONNECTIONS,
     MAX_FRAME,
@@ -75,9 +78,6 @@ from metadata.protocol import (
     parse_hello,
     parse_request,
 )
-from metadata.readbatch import ReadBatcher
-from metadata.requests import ONCE_METHODS
-from metadata.servicestats import ServiceStats
 
 log = logging.getLogger("ckptfs.meta")
 

@@ -20,7 +20,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 
 from metadata.engine import MetaError
-from metadata.protocol import REMOTE_METHODS
+from metadata.wire.protocol import REMOTE_METHODS
 
 STEPS_KEPT = 4096  # steps remembered for counting each publish/abort once
 COMMIT_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

@@ -35,8 +35,8 @@ import time
 from typing import Any
 
 from metadata.engine import MetaError
-from metadata.protocol import decode, encode
-from metadata.txlocks import SCHEMA_LOCK, retried
+from metadata.sql.txlocks import SCHEMA_LOCK, retried
+from metadata.wire.protocol import decode, encode
 
 REQUEST_KEEP_S = 900.0  # seconds a request's key and answer are kept
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from metadata.engine import MetaBusy, MetaEngine, MetaError
-from metadata.sqlbase import SqlEngine
+from metadata.sql.base import SqlEngine
 
 log = logging.getLogger("ckptfs.sqlite")
 
@@ -62,9 +62,9 @@ SCHEMA = [
     # (index) B-tree keeps a quarter page and spills the rest into an overflow page of its
     # own (measured at 16 KB pages: 830 against 990 small files/s).
     """CREATE TABLE IF NOT EXISTS inline_data (id BLOB PRIMARY KEY, data BLOB NOT NULL)""",
-    # leases of chunks stored and not yet committed (metadata/leases.py)
+    # leases of chunks stored and not yet committed (metadata/sql/leases.py)
     """CREATE TABLE IF NOT EXISTS chunk_leases (id BLOB PRIMARY KEY, expires INTEGER NOT NULL)""",
-    # what gc condemned, until its deadline (metadata/leases.py); empty but for failed writers
+    # what gc condemned, until its deadline (metadata/sql/leases.py); empty but for failed writers
     """CREATE TABLE IF NOT EXISTS chunk_doomed (id BLOB PRIMARY KEY, deadline INTEGER NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS xattrs (
         ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
@@ -335,7 +335,7 @@ class SqliteEngine(SqlEngine):
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._service_fd = fd
 
-    # -- dump (metadata/dumpsql.py) --------------------------------------------------
+    # -- dump (metadata/sql/dumpsql.py) --------------------------------------------------
     def _snapshot_open(self) -> tuple[Any, str]:
         """A connection of its own in a read transaction: WAL keeps its view while
         writers go on (they never wait for it; only the WAL's truncation does)."""

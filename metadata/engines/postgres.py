@@ -85,12 +85,12 @@ from typing import Any
 
 import psycopg
 
-from metadata.changes import POSTGRES_DDL
 from metadata.engine import MetaError
 from metadata.engines import DB_WAIT_S
-from metadata.sqlbase import SqlEngine
-from metadata.sqlite import SCHEMA
-from metadata.txlocks import lock_key
+from metadata.engines.sqlite import SCHEMA
+from metadata.sql.base import SqlEngine
+from metadata.sql.changes import POSTGRES_DDL
+from metadata.sql.txlocks import lock_key
 
 log = logging.getLogger("ckptfs.meta")
 
@@ -355,7 +355,7 @@ class PostgresEngine(SqlEngine):
         elif not conn.closed and not conn.broken:
             conn.execute("ROLLBACK")
 
-    # -- dump (metadata/dumpsql.py) --------------------------------------------------
+    # -- dump (metadata/sql/dumpsql.py) --------------------------------------------------
     def _snapshot_open(self) -> tuple[Any, str]:
         """A connection of its own in a REPEATABLE READ, read-only transaction: one view
         of every table, taking no lock a writer waits for."""

@@ -17,10 +17,10 @@ import errno
 import json
 from typing import Any
 
-from metadata.checkpoints import ABORTED, DELETED, OPEN, PUBLISHED
 from metadata.ckptcheck import check_int, check_job
 from metadata.engine import MetaError
-from metadata.txlocks import retried
+from metadata.sql.checkpoints import ABORTED, DELETED, OPEN, PUBLISHED
+from metadata.sql.txlocks import retried
 
 _POLICY_KEY = "retention:"
 

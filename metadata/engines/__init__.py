@@ -23,7 +23,7 @@ def open_engine(url: str, base_dir: str, wait_s: float = 0.0) -> MetaEngine:
     if url.startswith("sqlite:"):
         import sqlite3
 
-        from metadata.sqlite import SqliteEngine
+        from metadata.engines.sqlite import SqliteEngine
 
         db = url[len("sqlite:") :]
         path = db if os.path.isabs(db) else os.path.join(base_dir, db)
@@ -32,7 +32,7 @@ def open_engine(url: str, base_dir: str, wait_s: float = 0.0) -> MetaEngine:
         except sqlite3.Error as e:  # e.g. a database this user may not open: one line
             raise EngineURLError(f"cannot open the metadata database {path}: {e}") from None
     if url.startswith(("postgresql://", "postgres://")):
-        from metadata.postgres import PostgresEngine
+        from metadata.engines.postgres import PostgresEngine
 
         return PostgresEngine(url, wait_s)
     raise EngineURLError(f"unknown metadata engine URL {url!r}")

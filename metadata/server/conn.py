@@ -28,8 +28,8 @@ from typing import Any
 import trio
 
 from metadata.engine import MetaError, internal_error
-from metadata.protocol import HEADER, encode, encode_answer
-from metadata.servicestats import ServiceStats
+from metadata.server.stats import ServiceStats
+from metadata.wire.protocol import HEADER, encode, encode_answer
 
 log = logging.getLogger("ckptfs.meta")
 

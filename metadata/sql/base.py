@@ -18,23 +18,23 @@ from contextlib import contextmanager
 from itertools import chain
 from typing import Any
 
-from metadata.changes import ChangeLogMixin
-from metadata.checkpoints import CheckpointMixin
-from metadata.chunkrefs import ChunkRefMixin
-from metadata.ckptquery import CheckpointQueryMixin
-from metadata.dumpsql import DumpSqlMixin
 from metadata.engine import (
     ROOT_INO,
     Attr,
     MetaEngine,
     MetaError,
 )
-from metadata.leases import LeaseMixin
-from metadata.maintenance import MaintenanceMixin
-from metadata.namespace import ATTR_COLS, NamespaceMixin, attr_of
-from metadata.requests import RequestMixin
-from metadata.retention import RetentionMixin
-from metadata.txlocks import SCHEMA_LOCK
+from metadata.sql.changes import ChangeLogMixin
+from metadata.sql.checkpoints import CheckpointMixin
+from metadata.sql.chunkrefs import ChunkRefMixin
+from metadata.sql.ckptquery import CheckpointQueryMixin
+from metadata.sql.dumpsql import DumpSqlMixin
+from metadata.sql.leases import LeaseMixin
+from metadata.sql.maintenance import MaintenanceMixin
+from metadata.sql.namespace import ATTR_COLS, NamespaceMixin, attr_of
+from metadata.sql.requests import RequestMixin
+from metadata.sql.retention import RetentionMixin
+from metadata.sql.txlocks import SCHEMA_LOCK
 
 INO_HWM = "ino_hwm"  # config key: the highest inode number ever handed out
 INO_BLOCK = 256  # inode numbers a connection reserves at once for creates
@@ -125,7 +125,7 @@ class SqlEngine(
 
     # -- locks ---------------------------------------------------------------
     # SQLite's BEGIN IMMEDIATE serializes every writer, so these are no-ops there;
-    # PostgreSQL overrides them (see the docstring of metadata/postgres.py for what each
+    # PostgreSQL overrides them (see the docstring of metadata/engines/postgres.py for what each
     # protects and the order they are taken in).
     _retryable: tuple[type[BaseException], ...] = ()  # conflicts `txretry.retried` reruns
     _skip_locked = ""  # appended to a journal read that takes only rows nobody holds
@@ -192,7 +192,7 @@ class SqlEngine(
             }
             tables = [t for t in self.TABLES_ADDED if not self._has(c, t, "*")]
             log_missing = not self._has(c, "changes", "*")
-        if log_missing:  # (metadata/changes.py)
+        if log_missing:  # (metadata/sql/changes.py)
             with self._tx() as c:
                 self._make_change_log(c)
         if todo or tables:
