@@ -24,7 +24,10 @@ read back whole); every fault undone. Anything else fails the run.
 Where it runs (bench.harness_env): on 127.0.0.1 (`loopback`), or with every host, replica,
 the database and every node in a network namespace of its own on 198.18.0.0/16 (`netns`,
 bench.netns). Every wait has a time bound; everything started is torn down at the end, on
-failure and on Ctrl-C or SIGTERM.
+failure and on Ctrl-C or SIGTERM (within seconds: workers and servers still busy then, in a
+drain say, are SIGKILLed after a short grace). The fleet is watched (bench.harness_watch): a
+replica, S3 node or the database that exits when no fault asked for it ends the run at
+once with verdict FAIL, naming it and quoting the end of its log.
 """
 
 from __future__ import annotations
