@@ -27,6 +27,9 @@ PostgreSQL's identity sequences are moved past the loaded keys.
 from __future__ import annotations
 
 import errno
+import functools
+import json
+import re
 import stat
 import struct
 import time
@@ -62,6 +65,95 @@ MAX_RECORD = 1 << 30  # a length above this is a corrupt dump, not an allocation
 
 class DumpError(Exception):
     """A dump that cannot be read (truncated, corrupt, another format) or loaded."""
+
+
+# -- the schema a dump may name -------------------------------------------------------
+# A dump is data from wherever it was kept (a file, an object node), and its table and
+# column names are pasted into SQL by the loader (a bulk insert names its columns). So
+# read_records, which every load and every reader of a backup goes through, admits only
+# the tables of DUMP_TABLES and, for each, only columns the code declares for it: the DDL
+# of metadata/engines/sqlite.py SCHEMA and metadata/sql/checkpoints.py CKPT_SCHEMA, and
+# UR_COLUMNS (metadata/sql/maintenance.py makes that table). A dump naming anything else
+# is refused before a statement is made; the names that reach SQL are the code's own
+# strings (dump_columns), and values are always bound parameters (or COPY data).
+UR_COLUMNS = ("chunk", "node", "since")  # MaintenanceMixin._ensure_ur's DDL
+_CREATE = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*)\)\s*(?:WITHOUT ROWID)?", re.S)
+_NOT_COLUMNS = {"PRIMARY", "UNIQUE", "FOREIGN", "CHECK", "CONSTRAINT"}
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _split_top(body: str) -> list[str]:
+    """A CREATE TABLE body's items: split at the commas outside parentheses."""
+    out, depth, cur = [], 0, []
+    for ch in body:
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+            continue
+        depth += (ch == "(") - (ch == ")")
+        cur.append(ch)
+    out.append("".join(cur))
+    return [p.strip() for p in out if p.strip()]
+
+
+@functools.cache
+def dump_columns() -> dict[str, tuple[str, ...]]:
+    """table -> the columns the code declares for it, for every table of DUMP_TABLES."""
+    from metadata.engines.sqlite import SCHEMA
+    from metadata.sql.checkpoints import CKPT_SCHEMA
+
+    declared: dict[str, tuple[str, ...]] = {"under_replicated": UR_COLUMNS}
+    for stmt in [*SCHEMA, *CKPT_SCHEMA]:
+        m = _CREATE.fullmatch(stmt.strip())
+        if m is not None:
+            items = _split_top(m.group(2))
+            cols = [p.split()[0] for p in items if p.split()[0].upper() not in _NOT_COLUMNS]
+            declared[m.group(1)] = tuple(cols)
+    return {t: declared[t] for t in DUMP_TABLES}
+
+
+def code_names(table: Any, cols: Any) -> tuple[str, list[str]]:
+    """The code's own strings for a table and columns a dump names; DumpError (one line)
+    for a table not in DUMP_TABLES, a column the code does not declare for it, a repeated
+    column, or anything that is not a list of strings."""
+    known = dump_columns()
+    if not isinstance(table, str) or table not in known:
+        raise DumpError(f"corrupt dump: unknown table {_short(table)}")
+    ours = {c: c for c in known[table]}
+    if not isinstance(cols, list) or not cols:
+        raise DumpError(f"corrupt dump: table {table}: no column list")
+    out = []
+    for c in cols:
+        if not isinstance(c, str) or c not in ours:
+            raise DumpError(f"corrupt dump: table {table} has no column {_short(c)}")
+        out.append(ours[c])
+    if len(set(out)) != len(out):
+        raise DumpError(f"corrupt dump: table {table}: a column named twice")
+    table_name = next(t for t in known if t == table)
+    return table_name, out
+
+
+def _short(v: Any) -> str:
+    """A value from a dump, quoted for a one-line message."""
+    return repr(v)[:60].replace("\n", " ")
+
+
+def _check_rows(table: str, ncol: int, rows: Any) -> None:
+    """Rows of a table record: lists of ncol values, each an int (64-bit), str, bytes or
+    None, which is all the schema holds."""
+    if not isinstance(rows, list) or len(rows) > BATCH:
+        raise DumpError(f"corrupt dump: table {table}: not a batch of rows")
+    lo, hi = INT64
+    for r in rows:
+        if type(r) is not list or len(r) != ncol:
+            raise DumpError(f"corrupt dump: table {table}: a row of the wrong width")
+        for v in r:
+            t = type(v)
+            if t is int:
+                if not lo <= v <= hi:
+                    raise DumpError(f"corrupt dump: table {table}: an integer out of range")
+            elif t is not bytes and t is not str and v is not None:
+                raise DumpError(f"corrupt dump: table {table}: a value of type {t.__name__}")
 
 
 # -- writing --------------------------------------------------------------------------
@@ -143,10 +235,15 @@ def _tally(table: str, cols: list[str], counts: dict) -> Callable[[list], None] 
 
 # -- reading --------------------------------------------------------------------------
 def read_records(src: IO[bytes]) -> Iterator[list]:
-    """The records of a dump, one at a time (a record is at most BATCH rows)."""
+    """The records of a dump, one at a time (a record is at most BATCH rows), checked:
+    a header first and once, then tables of DUMP_TABLES, each once, naming only columns
+    the code declares (and as the code's own strings, see code_names), rows of their
+    width and of the schema's types, and an end record. Every reader of a dump (load,
+    restore, gc's look at a backup's chunks) goes through here."""
     dec = msgspec.msgpack.Decoder()
     reader = zstandard.ZstdDecompressor().stream_reader(src, closefd=False)
     seen_end = False
+    check = _Checker()
     try:
         while True:
             head = _read_exact(reader, _LEN.size, allow_eof=True)
@@ -161,12 +258,59 @@ def read_records(src: IO[bytes]) -> Iterator[list]:
                 raise DumpError(f"corrupt dump: {e}") from None
             if not isinstance(rec, list) or not rec or rec[0] not in ("H", "T", "R", "E"):
                 raise DumpError("corrupt dump: not a dump record")
+            if seen_end:
+                raise DumpError("corrupt dump: records after the end")
+            rec = check(rec)
             seen_end = rec[0] == "E"
             yield rec
     except zstandard.ZstdError as e:
         raise DumpError(f"corrupt dump: {e}") from None
     if not seen_end:
         raise DumpError("the dump is truncated (no end record)")
+
+
+class _Checker:
+    """The order and content of a dump's records (read_records)."""
+
+    def __init__(self) -> None:
+        self.head = False
+        self.table: str | None = None
+        self.ncol = 0
+        self.seen: set[str] = set()
+
+    def __call__(self, rec: list) -> list:
+        kind = rec[0]
+        if kind == "H":
+            if self.head or len(rec) != 2 or not isinstance(rec[1], dict):
+                raise DumpError("corrupt dump: a bad header")
+            if rec[1].get("format") != FORMAT:
+                raise DumpError(f"unsupported dump format {_short(rec[1].get('format'))}")
+            self.head = True
+            return rec
+        if not self.head:
+            raise DumpError("corrupt dump: no header")
+        if kind == "T":
+            if len(rec) != 3:
+                raise DumpError("corrupt dump: a bad table record")
+            table, cols = code_names(rec[1], rec[2])
+            if table in self.seen:
+                raise DumpError(f"corrupt dump: table {table} twice")
+            self.seen.add(table)
+            self.table, self.ncol = table, len(cols)
+            return ["T", table, cols]
+        if kind == "R":
+            if self.table is None or len(rec) != 2:
+                raise DumpError("corrupt dump: rows before a table")
+            _check_rows(self.table, self.ncol, rec[1])
+            return rec
+        end = rec[1] if len(rec) == 2 else None
+        if not (
+            isinstance(end, dict)
+            and isinstance(end.get("rows"), dict)
+            and all(type(end.get(k)) is int for k in ("files", "checkpoints", "extents"))
+        ):
+            raise DumpError("corrupt dump: a bad end record")
+        return rec
 
 
 def _read_exact(reader: Any, n: int, *, allow_eof: bool = False) -> bytes:
@@ -216,14 +360,10 @@ def load_dump(
             kind = rec[0]
             if kind == "H":
                 head = rec[1]
-                if not isinstance(head, dict) or head.get("format") != FORMAT:
-                    raise DumpError(f"unsupported dump format {head!r:.80}")
-            elif head is None:
+            elif head is None:  # read_records checked the order; a caller may not use it
                 raise DumpError("corrupt dump: no header")
             elif kind == "T":
-                table, cols = rec[1], list(rec[2])
-                if table not in DUMP_TABLES:
-                    raise DumpError(f"corrupt dump: unknown table {table!r:.80}")
+                table, cols = code_names(rec[1], rec[2])
             elif kind == "R":
                 if table is None:
                     raise DumpError("corrupt dump: rows before a table")
@@ -239,11 +379,17 @@ def load_dump(
 
 
 def _config_row(row: list, cols: list[str], fn: Callable[[dict], dict]) -> list:
-    import json
-
+    if "key" not in cols or "value" not in cols:
+        raise DumpError("corrupt dump: table config without key and value")
     k, v = cols.index("key"), cols.index("value")
     if row[k] != "volume":
         return row
+    try:
+        cfg = json.loads(row[v])
+    except (TypeError, ValueError):
+        cfg = None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("nodes", []), list):
+        raise DumpError("corrupt dump: the volume config is not a JSON object")
     out = list(row)
-    out[v] = json.dumps(fn(json.loads(row[v])))
+    out[v] = json.dumps(fn(cfg))
     return out

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from metadata.engine import MetaError
+from metadata.sql.dump import code_names
 
 
 class Snapshot:
@@ -42,9 +43,14 @@ class Loader:
         self.engine = engine
 
     def rows(self, table: str, cols: list[str], rows: list[list]) -> None:
+        """`table` and `cols` are pasted into the statement (both engines' bulk inserts
+        name their columns), so the names used are the code's own (code_names: a table of
+        DUMP_TABLES, columns its DDL declares), whatever the caller passed; values are
+        bound (SQLite) or COPY data (PostgreSQL)."""
+        table, names = code_names(table, list(cols))
         eng = self.engine
         with eng._tx() as c:
-            eng._bulk_insert(c, table, ", ".join(cols), [tuple(r) for r in rows])
+            eng._bulk_insert(c, table, ", ".join(names), [tuple(r) for r in rows])
 
 
 class DumpSqlMixin:
