@@ -27,7 +27,7 @@ from metadata.client import connect
 from tests.fixtures.mount import ROOT, run_cli
 
 CAP = "0.5"  # CKPTFS_PERIODIC_MAX_S for the daemons under test
-NODES = 4  # `ckptfs format`'s default: nodes/n0 .. nodes/n3 in the volume directory
+NODES = 4  # `ckptfs format`'s default: VOL.nodes/n0 .. n3, beside the volume directory
 
 
 def _free_port() -> int:
@@ -46,7 +46,7 @@ def _env(tmp_path) -> dict:
 
 
 def _node_urls(vol: str) -> list[str]:
-    return [f"dir:{vol}/nodes/n{i}" for i in range(NODES)]
+    return [f"dir:{vol}.nodes/n{i}" for i in range(NODES)]
 
 
 def _scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -236,7 +236,7 @@ def _break_nodes(vol: str) -> None:
     """Every node's tmp/ replaced by a plain file: writing an object fails (ENOTDIR), even
     for root, whom a chmod would not stop; listing and reading still work."""
     for i in range(NODES):
-        tmp = os.path.join(vol, "nodes", f"n{i}", "tmp")
+        tmp = os.path.join(vol + ".nodes", f"n{i}", "tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         with open(tmp, "w") as f:
             f.write("not a directory\n")
@@ -244,7 +244,7 @@ def _break_nodes(vol: str) -> None:
 
 def _mend_nodes(vol: str) -> None:
     for i in range(NODES):
-        tmp = os.path.join(vol, "nodes", f"n{i}", "tmp")
+        tmp = os.path.join(vol + ".nodes", f"n{i}", "tmp")
         os.unlink(tmp)
         os.mkdir(tmp)
 

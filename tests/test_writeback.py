@@ -435,7 +435,7 @@ def test_kill9_mid_upload_then_recovery_uploads_everything(vol_path, tmp_path):
     )
     try:
         assert proc.stdout.readline().strip() == "SAVED"
-        nodes_dir = os.path.join(vol_path, "nodes")
+        nodes_dir = vol_path + ".nodes"  # format's default nodes, beside the volume
 
         def some_uploaded():
             return any(

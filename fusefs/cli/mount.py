@@ -212,13 +212,14 @@ def _serve(
 
 def cmd_mount(args: argparse.Namespace) -> int:
     mp = os.path.abspath(args.mountpoint)
-    _check_mountpoint(mp, args.nonempty)
-    spec = args.volume or ensure_default_volume()
-    if not spec.startswith("ckptfs://"):
+    spec = args.volume
+    if spec and not spec.startswith("ckptfs://"):  # the volume named first: the basic mistake
         from fusefs.client.volume import VOLUME_FILE
 
         if not os.path.exists(os.path.join(spec, VOLUME_FILE)):
             raise MountError(f"no volume at {spec} (run `ckptfs format {spec}` first)")
+    _check_mountpoint(mp, args.nonempty)
+    spec = spec or ensure_default_volume()  # made only once the mountpoint is fine
     if args.background:
         return _background(args, spec, mp, os.path.abspath(args.log or default_log(mp)))
 
