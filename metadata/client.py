@@ -41,6 +41,7 @@ import errno
 import logging
 import math
 import os
+import queue
 import random
 import select
 import socket
@@ -68,6 +69,7 @@ from metadata.wire.tls import TlsSocket, client_context, describe_tls_error
 log = logging.getLogger("ckptfs.meta")
 
 CONNECT_TIMEOUT = 5.0  # seconds to open one connection (TCP and handshake)
+STAGGER = 0.25  # seconds before racing the next replica while one has not said hello
 DEFAULT_RETRY = 60.0  # seconds a request is retried, over every replica, before it fails
 MAX_RETRY = 600.0  # the most `retry=` may ask: services keep request ids far longer
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0  # pause after a round over the replicas found none
@@ -76,6 +78,50 @@ PERMANENT = (errno.EACCES, errno.EPROTO)  # refusals another replica would repea
 CALL_TIMEOUT = 600.0
 SEND_SLICE = 256 << 10  # submit_many writes this much at a time
 DIRECT_WAIT = 1.0  # seconds a call reads its answer on its own thread before the I/O thread
+# Silence and deadlines (several replicas only; docs/metadata-replicas.md says why these):
+PROBE_AFTER = 1.0  # seconds of silence with requests pending before a ping is sent
+PROBE_MAX = 8.0  # the gap between pings doubles up to this while each one is answered
+PING_TIMEOUT = 3.0  # a ping unanswered this long: the replica is hung, fail over
+QUICK_DEADLINE = 10.0  # seconds a replica may take to answer a call quick by nature
+LONG_DEADLINE = 30.0  # ... a call that waits for a group commit or builds a manifest
+SCAN_DEADLINE = 300.0  # ... a maintenance call that scans the volume
+DEADLINE_BYTES_PER_S = 2e6  # a big request's allowance grows by a second per this many bytes
+WATCH_TICK = 0.25  # seconds between the watchdog's looks at pending requests
+LONG_METHODS = frozenset(
+    {
+        "commit_rank", "manifest", "begin", "abort", "expire", "delete_checkpoint",
+        "missing_chunks", "mark_durable", "commit_file", "stats", "sync", "list_checkpoints",
+        "checkpoint_info", "renew_chunk_leases", "end_chunk_leases", "set_retention",
+    }
+)  # fmt: skip
+SCAN_METHODS = frozenset(
+    {
+        "chunk_rows", "true_refcounts", "files_using", "known_chunks", "under_replicated",
+        "pending_refs", "gc_chunk_rows", "fix_refcounts", "purge_orphans", "retain",
+        "apply_retention", "drop_chunk_rows", "register_chunk_rows", "apply_pending",
+        "gc_orphan_objects", "gc_release_objects", "record_under_replicated",
+        "clear_under_replicated", "changes_since", "inode_path",
+    }
+)  # fmt: skip
+
+
+def allowance(method: str, args: Any, kwargs: Any, size: int) -> float:
+    """Seconds a replica may take to answer this request before the client fails over:
+    what the call is by nature, what it waits for itself (wait_published's timeout), and
+    a second per DEADLINE_BYTES_PER_S of request (a big commit)."""
+    if method in SCAN_METHODS:
+        base = SCAN_DEADLINE
+    elif method in LONG_METHODS:
+        base = LONG_DEADLINE
+    else:
+        base = QUICK_DEADLINE
+    if method == "wait_published":
+        t = kwargs.get("timeout", args[2] if len(args) > 2 else 60.0)
+        try:
+            base += min(max(float(t), 0.0), 86400.0)
+        except (TypeError, ValueError):
+            pass
+    return base + size / DEADLINE_BYTES_PER_S
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -99,13 +145,167 @@ def _result_fix(method: str, value: Any) -> Any:
 
 
 class _Pending:
-    __slots__ = ("frame", "future", "method", "expires")
+    __slots__ = ("frame", "future", "method", "expires", "allow", "sent", "due", "overdue")
 
-    def __init__(self, frame: bytes, future: Future, method: str, expires: float) -> None:
+    def __init__(
+        self, frame: bytes, future: Future, method: str, expires: float, allow: float, now: float
+    ) -> None:
         self.frame = frame
         self.future = future
         self.method = method
-        self.expires = expires
+        self.expires = expires  # the retry window: past it the caller gets ETIMEDOUT
+        self.allow = allow  # seconds one replica may take (`allowance`)
+        self.overdue = 0  # times a replica let it pass its deadline: the next allows 2**n
+        self.sent = now
+        self.due = now + allow
+
+    def sent_again(self, now: float) -> None:
+        self.sent = now
+        self.due = now + self.allow * (1 << min(self.overdue, 4))
+
+
+def _call_args(frame: bytes, method: str) -> tuple[list, dict]:
+    """A request's arguments, for the one method whose deadline depends on them."""
+    if method != "wait_published":
+        return [], {}
+    try:
+        msg = decode(memoryview(frame)[4:])
+        return list(msg[2]), dict(msg[3])
+    except (ProtocolError, TypeError, ValueError, IndexError):
+        return [], {}
+
+
+def _check_hello(body: bytes | memoryview) -> None:
+    """The service's answer to our hello: accepted, or MetaError with its reason."""
+    reply = decode(body)
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        err = reply.get("errno", errno.EPROTO) if isinstance(reply, dict) else errno.EPROTO
+        msg = reply.get("error", "handshake refused") if isinstance(reply, dict) else "?"
+        raise MetaError(err, f"metadata service refused the connection: {msg}")
+
+
+class _Attempt:
+    """One plain-TCP connection attempt to replica `i` (RemoteEngine._race): a
+    non-blocking connect, then the hello and its answer, each step on a poll event.
+    Ends with `result` (a blocking socket, handshake done) or `error` (MetaError,
+    worded as `_open` words it)."""
+
+    def __init__(self, eng: RemoteEngine, i: int, hello: bytes, now: float) -> None:
+        self.i = i
+        self.where = eng._where(i)
+        self.started = now
+        self.deadline = now + CONNECT_TIMEOUT
+        self.out = hello
+        self.dec = FrameDecoder(eng.max_frame)
+        self.sock: socket.socket | None = None
+        self.connected = False
+        self.hello_sent = False
+        self.result: socket.socket | None = None
+        self.error: MetaError | None = None
+        host, port = eng.replicas[i]
+        try:
+            self.addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            self.addrs = []
+            self._unreachable(e)
+            return
+        self._next_address(None)
+
+    def _unreachable(self, e: BaseException) -> None:
+        self.close()
+        self.error = MetaError(errno.ECONNREFUSED, f"{_UNREACHABLE}{self.where}: {e}")
+
+    def _handshake_failed(self, e: BaseException) -> None:
+        self.close()
+        self.error = MetaError(errno.ECONNRESET, f"handshake with {self.where}: {e}")
+
+    def _next_address(self, err: BaseException | None) -> None:
+        self.close()
+        while self.addrs:
+            family, kind, proto, _, addr = self.addrs.pop(0)
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError as e:
+                err = e
+                continue
+            sock.setblocking(False)
+            rc = sock.connect_ex(addr)
+            if rc in (0, errno.EINPROGRESS):
+                self.sock = sock
+                self.connected = False
+                return
+            sock.close()
+            err = OSError(rc, os.strerror(rc))
+        self._unreachable(err or OSError("no address"))
+
+    def events(self) -> int:
+        return select.POLLOUT if not self.hello_sent else select.POLLIN
+
+    def on_event(self, ev: int) -> None:
+        sock = self.sock
+        assert sock is not None
+        if not self.hello_sent:
+            if not self.connected:
+                rc = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if rc:
+                    self._next_address(OSError(rc, os.strerror(rc)))
+                    return
+                self.connected = True
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
+                _keepalive(sock)
+            try:
+                sent = sock.send(self.out)
+            except BlockingIOError:
+                return
+            except OSError as e:
+                self._handshake_failed(e)
+                return
+            self.out = self.out[sent:]
+            self.hello_sent = not self.out
+            return
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            self._handshake_failed(e)
+            return
+        if not data:
+            hint = " (a service with TLS? add ?ca=PATH or ?tls=1)"
+            self._handshake_failed(
+                ConnectionError(f"service closed the connection during the handshake{hint}")
+            )
+            return
+        try:
+            frames = self.dec.feed(data)
+            if not frames:
+                return
+            _check_hello(frames[0])
+            if frames[1:]:
+                raise ProtocolError("unexpected frames after the handshake")
+        except MetaError as e:
+            self.close()
+            self.error = e
+            return
+        except ProtocolError as e:
+            self._handshake_failed(e)
+            return
+        sock.setblocking(True)
+        self.result, self.sock = sock, None
+
+    def timed_out(self) -> None:
+        if self.connected:
+            self._handshake_failed(TimeoutError("timed out"))
+        else:
+            self._unreachable(TimeoutError("timed out"))
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 def resolve_token(params: dict[str, list[str]]) -> str:
@@ -252,6 +452,13 @@ class RemoteEngine(MetaEngine):
         self._fatal: MetaError | None = None
         self.reconnects = 0
         self.failovers = 0
+        self.hangs = 0  # connections left for silence or a missed deadline (the watchdog)
+        self._rx_at = time.monotonic()  # when the current connection last gave us bytes
+        self._ping_at: float | None = None  # a probe sent and not yet answered by bytes
+        self._probe_gap = PROBE_AFTER
+        self._broken: tuple[Any, str] | None = None  # (socket, why) the watchdog broke
+        self._watch_wake = threading.Event()
+        self._watchdog: threading.Thread | None = None
         # A wrong token fails at once; no replica answering, after the retry window.
         sock = self._connect(time.monotonic() + self.retry_for)
         self._sock = sock
@@ -291,17 +498,11 @@ class RemoteEngine(MetaEngine):
         n = len(self.replicas)
         while True:
             errors: dict[int, str] = {}
-            for k in range(n):
-                i = (start + k) % n
-                if self._closed:
-                    raise MetaError(errno.EBADF, "client closed")
-                try:
-                    sock = self._open(i, CONNECT_TIMEOUT)
-                except MetaError as e:
-                    if e.errno in PERMANENT:
-                        raise
-                    errors[i] = str(e)
-                    continue
+            order = [(start + k) % n for k in range(n)]
+            race = self._race_threads if self.tls is not None else self._race
+            won = race(order, errors)
+            if won is not None:
+                i, sock = won
                 self._at = i
                 if i != came_from:
                     self.failovers += 1
@@ -318,8 +519,10 @@ class RemoteEngine(MetaEngine):
                         gone, reason, self._where(i),
                     )  # fmt: skip
                 return sock
+            if self._closed:
+                raise MetaError(errno.EBADF, "client closed")
             if n == 1:
-                msg = errors[start]
+                msg = errors.get(start, "unreachable")
             else:
                 each = "; ".join(e.removeprefix(_UNREACHABLE) for e in errors.values())
                 msg = f"no replica of the metadata service answers ({each})"
@@ -339,6 +542,124 @@ class RemoteEngine(MetaEngine):
             time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
             delay = min(delay * 2, BACKOFF_MAX)
 
+    def _hello(self) -> bytes:
+        return encode_frame({"proto": PROTO_VERSION, "token": self._token})
+
+    def _race(self, order: list[int], errors: dict[int, str]) -> tuple[int, socket.socket] | None:
+        """Connection attempts to the replicas in `order`, raced (happy eyeballs): the next
+        starts when every started one failed, or STAGGER seconds after the last started
+        while none has said hello; the first hello wins and the rest are closed. A hung
+        replica (its kernel accepts, the process never answers) costs a new client
+        STAGGER, not CONNECT_TIMEOUT. Non-blocking sockets on this thread: no thread
+        per attempt (thousands of ranks connect at once). None: every attempt failed
+        (each error in `errors`); a permanent refusal is raised."""
+        hello = self._hello()
+        todo = list(order)
+        live: list[_Attempt] = []
+        next_at = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if todo and (not live or now >= next_at):
+                    if self._closed:
+                        raise MetaError(errno.EBADF, "client closed")
+                    a = _Attempt(self, todo.pop(0), hello, now)
+                    live.append(a)
+                    next_at = now + STAGGER
+                else:
+                    if not live:
+                        return None
+                    until = min(a.deadline for a in live)
+                    if todo:
+                        until = min(until, next_at)
+                    poll = select.poll()
+                    by_fd: dict[int, _Attempt] = {}
+                    for a in live:
+                        if a.sock is not None and a.result is None and a.error is None:
+                            by_fd[a.sock.fileno()] = a
+                            poll.register(a.sock, a.events())
+                    for fd, ev in poll.poll(max(0.0, until - now) * 1000) if by_fd else ():
+                        by_fd[fd].on_event(ev)
+                    now = time.monotonic()
+                    for a in live:
+                        if a.result is None and a.error is None and now >= a.deadline:
+                            a.timed_out()
+                for a in list(live):
+                    if a.error is not None:
+                        live.remove(a)
+                        if a.error.errno in PERMANENT:
+                            raise a.error
+                        errors[a.i] = str(a.error)
+                    elif a.result is not None:
+                        live.remove(a)
+                        for other in live:  # still opening: slower than the winner
+                            errors[other.i] = f"no hello in {now - other.started:.2f} s"
+                        return a.i, a.result
+        finally:
+            for a in live:
+                a.close()
+
+    def _race_threads(
+        self, order: list[int], errors: dict[int, str]
+    ) -> tuple[int, socket.socket | TlsSocket] | None:
+        """`_race` for TLS connections (whose handshake is blocking): an attempt per
+        thread, started the same way; a late winner closes its own connection."""
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        done = threading.Lock()  # held while deciding; `over` set once a winner is taken
+        over: list[bool] = []
+
+        def attempt(i: int) -> None:
+            try:
+                got: Any = self._open(i, CONNECT_TIMEOUT)
+            except MetaError as e:
+                got = e
+            with done:
+                if over and not isinstance(got, MetaError):
+                    got.close()
+                    return
+                results.put((i, got))
+
+        todo = list(order)
+        running: dict[int, float] = {}
+        next_at = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if todo and (not running or now >= next_at):
+                    if self._closed:
+                        raise MetaError(errno.EBADF, "client closed")
+                    i = todo.pop(0)
+                    running[i] = now
+                    threading.Thread(target=attempt, args=(i,), daemon=True).start()
+                    next_at = now + STAGGER
+                    continue
+                if not running:
+                    return None
+                wait = next_at - now if todo else CONNECT_TIMEOUT + 1
+                try:
+                    i, got = results.get(timeout=max(0.0, wait))
+                except queue.Empty:
+                    continue
+                del running[i]
+                if isinstance(got, MetaError):
+                    if got.errno in PERMANENT:
+                        raise got
+                    errors[i] = str(got)
+                    continue
+                for j, t in running.items():
+                    errors[j] = f"no hello in {time.monotonic() - t:.2f} s"
+                return i, got
+        finally:
+            with done:
+                over.append(True)
+            while True:  # finished meanwhile: not taken
+                try:
+                    _i, got = results.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(got, MetaError):
+                    got.close()
+
     def _open(self, i: int, timeout: float) -> socket.socket | TlsSocket:
         """One connection to replica `i`, handshake done."""
         host, port = self.replicas[i]
@@ -356,7 +677,7 @@ class RemoteEngine(MetaEngine):
                     sock = TlsSocket(sock, self.tls, host, timeout)
                 except ssl.SSLError as e:
                     raise describe_tls_error(host, port, e) from None
-            sock.sendall(encode_frame({"proto": PROTO_VERSION, "token": self._token}))
+            sock.sendall(self._hello())
             dec = FrameDecoder(self.max_frame)
             frames: list[bytes | memoryview] = []
             while not frames:
@@ -367,11 +688,7 @@ class RemoteEngine(MetaEngine):
                         f"service closed the connection during the handshake{hint}"
                     )
                 frames = dec.feed(data)
-            reply = decode(frames[0])
-            if not isinstance(reply, dict) or not reply.get("ok"):
-                err = reply.get("errno", errno.EPROTO) if isinstance(reply, dict) else errno.EPROTO
-                msg = reply.get("error", "handshake refused") if isinstance(reply, dict) else "?"
-                raise MetaError(err, f"metadata service refused the connection: {msg}")
+            _check_hello(frames[0])
             sock.settimeout(None)
             if frames[1:]:
                 raise ProtocolError("unexpected frames after the handshake")
@@ -394,6 +711,97 @@ class RemoteEngine(MetaEngine):
                     sock = self._sock
                 self._io = threading.Thread(target=self._io_loop, args=(sock,), daemon=True)
                 self._io.start()
+                if len(self.replicas) > 1:  # one replica: nothing to fail over to
+                    self._watchdog = threading.Thread(
+                        target=self._watch_loop, name="ckptfs-meta-watch", daemon=True
+                    )
+                    self._watchdog.start()
+
+    # -- silence and deadlines (the watchdog) ------------------------------------------
+    def _watch_loop(self) -> None:
+        while not self._closed:
+            self._watch_wake.wait(WATCH_TICK)
+            if self._closed:
+                return
+            try:
+                self._watch(time.monotonic())
+            except Exception:  # noqa: BLE001 - the watchdog must outlive surprises
+                log.debug("metadata client watchdog", exc_info=True)
+
+    def _watch(self, now: float) -> None:
+        """Leave a connection whose replica let a request pass its deadline (stuck in a
+        database call: its loop may still answer pings), or that stayed silent past
+        PING_TIMEOUT after a ping while requests were pending (the process hung: stopped,
+        swapping, a loop that never returns). The I/O thread then reconnects, to the next
+        replica first, and sends what is pending again with its idempotency keys."""
+        with self._lock:
+            sock = self._sock
+            if sock is None or not self._pending:
+                self._ping_at = None
+                self._probe_gap = PROBE_AFTER
+                return
+            late = None
+            oldest = now
+            for p in self._pending.values():
+                if p.due <= now and late is None:
+                    late = p
+                if p.sent < oldest:
+                    oldest = p.sent
+            if late is not None:
+                late.overdue += 1
+            rx_at, ping_at = self._rx_at, self._ping_at
+        if late is not None:
+            took = now - late.sent
+            self._leave(sock, f"no answer to {late.method} in {took:.1f} s")
+            return
+        if ping_at is not None and rx_at < ping_at:
+            if now - ping_at >= PING_TIMEOUT:
+                quiet = now - max(rx_at, oldest)
+                self._leave(
+                    sock, f"silent for {quiet:.1f} s with requests pending, a ping unanswered"
+                )
+            return
+        if ping_at is not None:  # answered: the next one later
+            self._ping_at = None
+            self._probe_gap = min(self._probe_gap * 2, PROBE_MAX)
+        if now - max(rx_at, oldest) >= self._probe_gap:
+            self._probe(sock, now)
+
+    def _probe(self, sock: socket.socket | TlsSocket, now: float) -> None:
+        """Send a ping (its answer is any bytes arriving; it is no pending request). Only
+        when no write is under way and the socket takes it without blocking: a write
+        stuck on a replica that stopped reading is the deadline's to find."""
+        if not self._send_lock.acquire(blocking=False):
+            return
+        try:
+            raw = getattr(sock, "_sock", sock)
+            poll = select.poll()
+            poll.register(raw, select.POLLOUT)
+            if not poll.poll(0):
+                return
+            with self._lock:
+                if self._sock is not sock:
+                    return
+                rid = self._next_id
+                self._next_id += 1
+                self._ping_at = now
+            sock.sendall(encode_frame([rid, "ping", [], {}, None]))
+        except OSError:
+            pass  # the reader notices
+        finally:
+            self._send_lock.release()
+
+    def _leave(self, sock: socket.socket | TlsSocket, why: str) -> None:
+        """Break the connection (the reader reconnects): the watchdog's verdict."""
+        with self._lock:
+            if self._sock is not sock:
+                return
+            self._broken = (sock, why)
+            self.hangs += 1
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def _read_until(self, fut: Future) -> None:
         """Read answers on the calling thread until `fut` has one, while they come within
@@ -447,6 +855,10 @@ class RemoteEngine(MetaEngine):
                 lost = "the service closed the connection"
             except (OSError, ProtocolError) as e:
                 lost = f"connection lost: {e}"
+            with self._lock:
+                if self._broken is not None and self._broken[0] is sock:
+                    lost = self._broken[1]
+                self._broken = None
             try:  # wakes a resend blocked in sendall on this connection
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -473,7 +885,12 @@ class RemoteEngine(MetaEngine):
         with self._send_lock:
             with self._lock:
                 self._sock = sock
-                resend = [p.frame for p in self._pending.values()]
+                now = time.monotonic()
+                self._rx_at, self._ping_at, self._probe_gap = now, None, PROBE_AFTER
+                resend = []
+                for p in self._pending.values():
+                    p.sent_again(now)
+                    resend.append(p.frame)
             try:
                 for fr in resend:
                     sock.sendall(fr)
@@ -488,6 +905,7 @@ class RemoteEngine(MetaEngine):
             self._deliver(dec.feed(data))
 
     def _deliver(self, bodies: list[bytes | memoryview]) -> None:
+        self._rx_at = time.monotonic()  # any bytes: the replica's loop is alive
         for body in bodies:
             msg = decode(body)
             if not isinstance(msg, list) or len(msg) != 3:
@@ -575,7 +993,8 @@ class RemoteEngine(MetaEngine):
         if reader:  # before sending: a big pipeline's answers must be read while it is sent
             self._start_io()
         futs: list[Future] = []
-        expires = time.monotonic() + self.retry_for
+        now = time.monotonic()
+        expires = now + self.retry_for
         with self._send_lock:
             frames: list[bytes] = []
             size = 0
@@ -587,8 +1006,9 @@ class RemoteEngine(MetaEngine):
                         MetaError(errno.E2BIG, f"{method} request over {self.max_frame} bytes")
                     )
                     continue
+                allow = allowance(method, *_call_args(fr, method), len(fr) - 4)
                 with self._lock:
-                    self._pending[rid] = _Pending(fr, fut, method, expires)
+                    self._pending[rid] = _Pending(fr, fut, method, expires, allow, now)
                 frames.append(fr)
                 size += len(fr)
                 if size >= SEND_SLICE:
@@ -651,6 +1071,7 @@ class RemoteEngine(MetaEngine):
                 with self._lock:
                     self._sock = None
                 sock.close()
+        self._watch_wake.set()
         if io is not None:
             io.join(timeout=5)
         self._fail_all(MetaError(errno.EBADF, "client closed"))

@@ -84,6 +84,7 @@ import time
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 
 from metadata.engine import MetaError
 from metadata.engines import DB_WAIT_S
@@ -110,13 +111,44 @@ def translate_ddl(stmt: str) -> str:
 RECONNECT_WINDOW_S = DB_WAIT_S  # how long a lost database is waited for before calls fail
 
 
-def _connect(url: str) -> psycopg.Connection:
-    conn = psycopg.connect(url, autocommit=True)
+# A replica that goes silent inside a transaction (stopped, hung, its host gone) holds row
+# and advisory locks that the request retried on another replica waits for: the database
+# lets go of it within seconds (docs/metadata-replicas.md, "When a replica hangs").
+IDLE_IN_TX_S = 5.0  # idle_in_transaction_session_timeout: no statement for this long in a tx
+KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, probes, both ways: a vanished host ~11 s
+USER_TIMEOUT_MS = 11000  # tcp_user_timeout, both ways: data unacknowledged this long
+# libpq's side (the replica finds the database gone); a URL's own values win
+_LIBPQ_KEEPALIVE = {
+    "keepalives": "1",
+    "keepalives_idle": str(KEEPALIVE[0]),
+    "keepalives_interval": str(KEEPALIVE[1]),
+    "keepalives_count": str(KEEPALIVE[2]),
+    "tcp_user_timeout": str(USER_TIMEOUT_MS),
+}
+# the session's settings (the server's side of the same)
+_SESSION = {
     # psycopg prepares a statement after 5 runs, and PostgreSQL may then keep a generic
     # plan chosen while the tables were small: the duplicate-rank check of a group
     # commit (`rank IN (...)` over ckpt_ranks) went from 5 to 240 ms per 1024 ranks as
     # a 16k-rank step filled. Plans made for each run's values stay index scans.
-    conn.execute("SET plan_cache_mode = force_custom_plan")
+    "plan_cache_mode": "force_custom_plan",
+    "idle_in_transaction_session_timeout": f"{IDLE_IN_TX_S * 1000:.0f}",
+    "tcp_keepalives_idle": str(KEEPALIVE[0]),
+    "tcp_keepalives_interval": str(KEEPALIVE[1]),
+    "tcp_keepalives_count": str(KEEPALIVE[2]),
+    "tcp_user_timeout": str(USER_TIMEOUT_MS),
+}
+_SET_SESSION = "SELECT " + ", ".join(f"set_config('{k}', %s, false)" for k in _SESSION)
+
+
+def _connect(url: str) -> psycopg.Connection:
+    try:
+        given = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        given = {}
+    extra = {k: v for k, v in _LIBPQ_KEEPALIVE.items() if k not in given}
+    conn = psycopg.connect(url, autocommit=True, **extra)
+    conn.execute(_SET_SESSION, list(_SESSION.values())).fetchall()
     return conn
 
 
