@@ -65,6 +65,20 @@ def _periodic_failures() -> CounterMetricFamily:
     return fam
 
 
+def _backup_bad_objects() -> GaugeMetricFamily:
+    """Backup objects on the nodes found unreadable or ill-formed (planted, or damaged) at
+    this process's last listing of them (its automatic backups list the nodes)."""
+    import sys
+
+    mod = sys.modules.get("fusefs.maint.backup")
+    n = getattr(mod, "last_scan_problems", 0) if mod is not None else 0
+    return _gauge(
+        "backup_bad_objects",
+        "Backup objects on the nodes skipped as unreadable or ill-formed at the last listing",
+        n,
+    )
+
+
 class MountCollector(Collector):
     """The FUSE side of a mount: requests, bytes, dirty data, the chunk read cache.
     `attach(fs)` once the CkptFS exists (fusefs.mount.fs.serve's on_start)."""
@@ -80,6 +94,7 @@ class MountCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield _periodic_failures()  # backups, housekeeping, the change feed
+        yield _backup_bad_objects()
         fs = self.fs
         if fs is None:
             return
@@ -278,6 +293,7 @@ class ServiceCollector(Collector):
         )
         yield _gauge("meta_connections", "Open client connections", svc.connections)
         yield _periodic_failures()  # expirer, idle reaper, backups
+        yield _backup_bad_objects()
         yield _counter("meta_checkpoints_published", "Steps published", c.published)
         yield _counter(
             "meta_steps_aborted", "Steps aborted (failed rank, request, deadline)", c.aborted

@@ -256,3 +256,94 @@ def test_bench_backup_reports_commit_during_backup(tmp_path):
     assert out["commit_during_backup_vs_alone"] > 0
     (r,) = out["commit_rounds"]
     assert r["backup_running_at_commit"] and r["state"] == r["alone_state"] == "published"
+
+
+# -- issue 40 (B): nothing planted on a node stops backups, listings or gc --------------
+def _plant_object(node_url: str, cid: bytes, body: bytes, *, encode: bool = True) -> None:
+    from chunkstore import codec
+    from chunkstore.nodes import open_node, parse_node_url
+
+    node = open_node(parse_node_url(node_url, name="n1"))
+    node.put(cid, codec.encode(body, "none") if encode else body)
+    node.close()
+
+
+def _planted_manifest(number: int) -> bytes:
+    return json.dumps({"format": 1, "id": number, "created": time.time(), "volume": None,
+                       "pieces": [{"len": 10, "xxh128": "0" * 32}], "size": 10, "files": 1,
+                       "checkpoints": 0, "nodes": []}).encode()  # fmt: skip
+
+
+def test_a_planted_huge_backup_id_stops_neither_backups_nor_gc(tmp_path):
+    nodes = _node_urls(tmp_path)
+    args = [a for u in nodes for a in ("--node", u)]
+    vol_dir = str(tmp_path / "vol")
+    ckptfs("format", vol_dir, *args)
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(MiB))
+    ckptfs("put", vol_dir, str(src), "/doomed")
+    # only on n1: a manifest numbered 0xFFFFFFFF whose piece is on no node
+    planted = bk.backup_id(0xFFFFFFFF, bk.MANIFEST_PIECE)
+    _plant_object(nodes[1], planted, _planted_manifest(0xFFFFFFFF))
+
+    out = ckptfs("meta", "backup", vol_dir, "--json")  # was: struct.error
+    m = json.loads(out.stdout)
+    assert abs(m["id"] - time.time()) < 60
+    listed = ckptfs("meta", "backups", *args)
+    assert planted.hex() in listed.stdout and "piece 0 is on no node" in listed.stdout
+    assert planted.hex() in listed.stderr
+    js = json.loads(ckptfs("meta", "backups", *args, "--json").stdout)
+    assert [b["id"] for b in js] == [m["id"]]
+
+    ckptfs("rm", vol_dir, "/doomed")
+    proc = ckptfs("gc", vol_dir, "--grace", "0", "--json", check=False)  # was: exit 1
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["rows_deleted"] >= 1 and rep["errors"] == []
+    assert [p["object"] for p in rep["bad_backups"]] == [planted.hex()]
+    ckptfs("meta", "backup", vol_dir, "--keep", "1")  # drops the one naming /doomed
+    rep = json.loads(ckptfs("gc", vol_dir, "--grace", "0", "--json").stdout)
+    assert rep["objects_deleted"] >= 1
+    # the automatic backups of a daemon go on too
+    with Volume.open(vol_dir) as vol:
+        assert bk.AutoBackup(vol, interval=1).step(now=time.time() + 10) is not None
+
+
+def test_ill_formed_backup_objects_are_named_and_skipped(tmp_path):
+    nodes = _node_urls(tmp_path)
+    vol = Volume.create(str(tmp_path / "vol"), nodes=nodes)
+    vol.write_file("/x", b"x" * 100)
+    good = bk.create_backup(vol)
+    n = good["id"]
+    bad = {
+        bk.backup_id(n + 1, bk.MANIFEST_PIECE): (b"\x00not an object", False),
+        bk.backup_id(n + 2, bk.MANIFEST_PIECE): (b"[1, 2]", True),
+        bk.backup_id(n + 3, bk.MANIFEST_PIECE): (b"{", True),
+        bk.backup_id(n + 4, bk.MANIFEST_PIECE): (
+            json.dumps({**good, "id": n + 4, "pieces": [{"len": "x"}]}).encode(), True),
+        bk.backup_id(n + 5, bk.MANIFEST_PIECE): (
+            json.dumps({**good, "id": n + 5, "files": "many"}).encode(), True),
+        bk.backup_id(n + 6, bk.MANIFEST_PIECE): (
+            json.dumps({**good, "id": n + 6, "pieces": good["pieces"] * 4}).encode(), True),
+    }  # fmt: skip
+    for cid, (body, enc) in bad.items():
+        _plant_object(nodes[1], cid, body, encode=enc)
+    scan = bk.scan_backups(vol.store.nodes)
+    assert [m["id"] for m in scan.backups] == [n]
+    assert sorted(p["object"] for p in scan.problems) == sorted(c.hex() for c in bad)
+    assert bk.last_scan_problems == len(bad)
+    # gc reads around them, and the next backup takes a number none of them uses
+    assert gc(vol, grace=0).errors == []
+    assert bk.create_backup(vol)["id"] not in {n + i for i in range(7)}
+    # the daemons' metric
+    from fusefs.metrics import MountCollector
+
+    (fam,) = [f for f in MountCollector().collect() if f.name == "ckptfs_backup_bad_objects"]
+    assert fam.samples[0].value == len(bad)
+    vol.close()
+
+
+def test_new_backup_numbers_follow_the_clock_not_a_node(tmp_path):
+    scan = bk.Scan(backups=[{"id": 0xFFFFFFFE}, {"id": 1000}], numbers={0xFFFFFFFE, 1000, 2000})
+    assert bk.new_number(scan, now=2000) == 2001  # taken numbers skipped, far claims ignored
+    assert bk.new_number(bk.Scan(backups=[{"id": 2005}]), now=2000) == 2006  # near: followed

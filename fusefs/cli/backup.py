@@ -54,15 +54,22 @@ def cmd_backup(args: argparse.Namespace) -> int:
 def cmd_backups(args: argparse.Namespace) -> int:
     nodes = _nodes(args.node)
     try:
-        found = bk.list_backups(nodes)
+        scan = bk.scan_backups(nodes)
     finally:
         for n in nodes:
             n.close()
+    found = scan.backups
+    for p in scan.problems:  # planted or damaged objects: named, skipped
+        print(
+            f"ckptfs: warning: backup object {p['object']} skipped: {shown(p['problem'])}",
+            file=sys.stderr,
+        )
     if args.json:
         print(json.dumps(found, indent=2))
         return 0
     if not found:
         print("no backups on these nodes")
+        _print_problems(scan.problems)
         return 0
     print(f"{'ID':>12} {'CREATED':20} {'SIZE':>10} {'FILES':>9} {'CHECKPOINTS':>11}  VOLUME")
     for m in found:
@@ -71,7 +78,15 @@ def cmd_backups(args: argparse.Namespace) -> int:
             f"{m['id']:>12} {when:20} {format_size(m['size']):>10} {m['files']:>9} "
             f"{m['checkpoints']:>11}  {shown(str(m.get('volume')))}"
         )
+    _print_problems(scan.problems)
     return 0
+
+
+def _print_problems(problems: list[dict]) -> None:
+    if problems:
+        print(f"{len(problems)} backup object(s) unreadable or ill-formed, skipped:")
+        for p in problems:
+            print(f"  {p['object']}  {shown(p['problem'])}")
 
 
 def _nodes(urls: list[str]) -> list:

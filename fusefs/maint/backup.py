@@ -22,6 +22,17 @@ chunks are, replicated and checksummed like them:
   backup names (`backup_named`): the rows of a deleted file go, its objects stay until
   the last backup that could restore it is dropped.
 
+A node is trusted to keep bytes, not to say what a backup is (docs/DESIGN "Trust model"):
+anyone who can write one node's directory or bucket can plant objects under backup ids.
+So a manifest is read only up to MAX_MANIFEST bytes and checked field by field
+(`check_manifest`), a backup whose pieces are on no node is not listed, and what is
+wrong is reported by object name (`scan_backups`: `ckptfs meta backups`, gc's report, the
+ckptfs_backup_bad_objects metric) and skipped: nothing planted on a node stops a backup,
+a listing or gc. A new backup's number is the clock's (past the newest backup whose
+number is within ID_SKEW of it, and past every number in use): a planted number, however
+large, never pushes it past the id space. The dump itself is checked by its reader
+(metadata/sql/dump.py: only the code's tables and columns reach SQL).
+
 The volume config in a dump carries the chunk-id seed (a restore needs it, since ids
 depend on it); node credentials are never in the config, so never in a backup.
 """
@@ -67,10 +78,18 @@ PIECE_SIZE = 8 << 20  # bytes of dump stream per object
 BACKUP_INTERVAL = 3600.0  # default of the volume setting `backup_interval` (seconds)
 BACKUP_KEEP = 7  # default of the volume setting `backup_keep`
 LAST_KEY = "backup:last"  # config key: when the last automatic backup was attempted
+MAX_MANIFEST = 4 << 20  # bytes: ~60k pieces (480 GB of dump); a bigger one is not read
+MAX_PIECE = 256 << 20  # bytes a manifest may give one piece
+ID_SKEW = 86_400  # seconds: a backup number further ahead of the clock is not followed
+_HEX32 = frozenset("0123456789abcdef")
 
 
 class BackupError(Exception):
-    """A backup that cannot be made, found or restored; the message is one line."""
+    """A backup that cannot be made, found or restored; the message is one line.
+    `transient`: a node failed to answer (it may hold a good copy), as opposed to every
+    node answering that it has none, or none that checks out."""
+
+    transient = False
 
 
 def backup_id(number: int, piece: int) -> bytes:
@@ -127,8 +146,9 @@ def create_backup(vol: Any, *, keep: int | None = None, piece_size: int = PIECE_
     keep = settings["keep"] if keep is None else keep
     if keep < 1:
         raise BackupError("backup_keep must be at least 1")
-    existing = list_backups(vol.store.nodes)
-    number = max(int(time.time()), *(m["id"] + 1 for m in existing), 1)
+    scan = scan_backups(vol.store.nodes)
+    existing = scan.backups
+    number = new_number(scan)
     t0 = time.monotonic()
     w = _PieceWriter(vol.store, number, piece_size)
     counts = write_dump(vol.meta, w, config_fn=partial(absolute_nodes, base=vol.base_dir))
@@ -151,8 +171,9 @@ def create_backup(vol: Any, *, keep: int | None = None, piece_size: int = PIECE_
     }
     body = json.dumps(manifest, sort_keys=True).encode()
     vol.store.put_encoded(backup_id(number, MANIFEST_PIECE), codec.encode(body, "none"))
-    older = sorted(
-        [m for m in existing if m.get("volume") == manifest["volume"]], key=lambda m: m["id"]
+    older = sorted(  # (a number ahead of ours is a clock's mistake or a plant: left be)
+        [m for m in existing if m.get("volume") == manifest["volume"] and m["id"] < number],
+        key=lambda m: m["id"],
     )
     for m in older[: max(0, len(older) + 1 - keep)]:
         drop_backup(vol.store.nodes, m)
@@ -195,40 +216,141 @@ def absolute_nodes(cfg: dict, base: str | None) -> dict:
 
 
 # -- finding and reading --------------------------------------------------------------
-def list_backups(nodes: Sequence[ObjectNode]) -> list[dict]:
-    """Every complete backup on these nodes (newest last), from their manifests."""
-    numbers: set[int] = set()
+@dataclass
+class Scan:
+    """What a listing of the nodes found: the complete, well-formed backups (newest last),
+    the backup objects that are not (`problems`: {"object", "backup", "problem"}), and
+    every backup number some object uses (a new backup takes none of them)."""
+
+    backups: list[dict] = field(default_factory=list)
+    problems: list[dict] = field(default_factory=list)
+    numbers: set[int] = field(default_factory=set)
+
+
+# Backup objects found bad at this process's last scan (the ckptfs_backup_bad_objects
+# metric of the daemons, whose automatic backups scan the nodes).
+last_scan_problems = 0
+
+
+def scan_backups(nodes: Sequence[ObjectNode]) -> Scan:
+    """List the nodes for backups: a manifest too big, unreadable or ill-formed, or one
+    whose pieces are on no node, is a problem (logged in one line, named in the Scan),
+    never an exception."""
+    global last_scan_problems
+    scan = Scan()
+    manifests: dict[int, int] = {}  # number -> largest size seen
+    present: set[bytes] = set()
     for node in nodes:
         try:
-            for cid, _size, _mtime in node.list():
-                if is_backup_id(cid):
+            for cid, size, _mtime in node.list():
+                if is_backup_id(cid) and len(cid) == 16:
                     number, piece = parse_id(cid)
+                    scan.numbers.add(number)
+                    present.add(cid)
                     if piece == MANIFEST_PIECE:
-                        numbers.add(number)
+                        manifests[number] = max(size, manifests.get(number, 0))
         except (NodeError, OSError) as e:
             log.warning("cannot list node %s: %s", node.name, e)
-    out = []
-    for number in sorted(numbers):
+    for number in sorted(manifests):
+        cid = backup_id(number, MANIFEST_PIECE)
         try:
-            m = json.loads(_read_object(nodes, backup_id(number, MANIFEST_PIECE)))
-        except (BackupError, ValueError) as e:
-            log.warning("backup %d: unreadable manifest: %s", number, e)
+            if manifests[number] > MAX_MANIFEST + 64:  # (the codec header's few bytes)
+                raise BackupError(f"manifest of {manifests[number]} bytes")
+            m = check_manifest(json.loads(_read_object(nodes, cid)), number)
+            lost = [i for i in range(len(m["pieces"])) if backup_id(number, i) not in present]
+            if lost:
+                raise BackupError(f"piece {lost[0]} is on no node")
+        except (BackupError, ValueError, RecursionError) as e:
+            why = str(e).removeprefix(f"backup {number}: ")
+            log.warning("backup %d: skipped: %s", number, why)
+            scan.problems.append({"object": cid.hex(), "backup": number, "problem": why[:200]})
             continue
-        if isinstance(m, dict) and m.get("id") == number:
-            out.append(m)
-    return out
+        scan.backups.append(m)
+    last_scan_problems = len(scan.problems)
+    return scan
+
+
+def list_backups(nodes: Sequence[ObjectNode]) -> list[dict]:
+    """Every complete, well-formed backup on these nodes (newest last), from their
+    manifests (scan_backups: the others are logged and skipped)."""
+    return scan_backups(nodes).backups
+
+
+def new_number(scan: Scan, now: float | None = None) -> int:
+    """A new backup's number: the clock's second, past the newest listed backup within
+    ID_SKEW of the clock (backups taken in one second still sort by time), and past every
+    number an object uses. A number a node claims further ahead is not followed: it could
+    only push ours to the end of the u32 space (planted 0xFFFFFFFF: struct.error forever)."""
+    now_s = int(time.time() if now is None else now)
+    near = [m["id"] + 1 for m in scan.backups if m["id"] <= now_s + ID_SKEW]
+    number = max(now_s, *near, 1)
+    while number in scan.numbers:
+        number += 1
+    if number >= MANIFEST_PIECE:  # only a clock past 2106 gets here
+        raise BackupError(f"no backup number left (clock at {now_s})")
+    return number
+
+
+def _int(v: Any, lo: int = 0, hi: int = 1 << 63) -> bool:
+    return type(v) is int and lo <= v < hi
+
+
+def check_manifest(m: Any, number: int) -> dict:
+    """A manifest read from a node, checked field by field (BackupError, one line): every
+    field a listing prints, a restore or a drop uses, of its type and within bounds."""
+    if not isinstance(m, dict):
+        raise BackupError("the manifest is not a JSON object")
+    if m.get("format") != 1 or m.get("id") != number:
+        raise BackupError("the manifest is not of this format or names another backup")
+    for k in ("size", "files", "checkpoints", "extents", "chunks", "replicas"):
+        if k in m and not _int(m[k]):
+            raise BackupError(f"the manifest's {k} is not a count")
+    for k in ("size", "files", "checkpoints"):
+        if k not in m:
+            raise BackupError(f"the manifest has no {k}")
+    created = m.get("created")
+    if type(created) not in (int, float) or not 0 <= created < 1e11:
+        raise BackupError("the manifest's time is not a time")
+    if m.get("volume") is not None and not isinstance(m["volume"], str):
+        raise BackupError("the manifest's volume is not a uuid")
+    pieces = m.get("pieces")
+    if not isinstance(pieces, list) or not 0 < len(pieces) < MANIFEST_PIECE:
+        raise BackupError("the manifest lists no pieces")
+    for p in pieces:
+        if not (
+            isinstance(p, dict)
+            and _int(p.get("len"), 0, MAX_PIECE + 1)
+            and isinstance(p.get("xxh128"), str)
+            and len(p["xxh128"]) == 32
+            and set(p["xxh128"]) <= _HEX32
+        ):
+            raise BackupError("the manifest lists a malformed piece")
+    if sum(p["len"] for p in pieces) != m["size"]:
+        raise BackupError("the manifest's size is not its pieces'")
+    nodes = m.get("nodes", [])
+    if not isinstance(nodes, list) or not all(
+        isinstance(n, dict) and isinstance(n.get("name"), str) and isinstance(n.get("domain"), str)
+        for n in nodes
+    ):
+        raise BackupError("the manifest's node list is malformed")
+    return m
 
 
 def _read_object(nodes: Sequence[ObjectNode], cid: bytes, digest: str | None = None) -> bytes:
     """A backup object from the first node with a good copy (codec checksum, and the
     manifest's digest for a piece)."""
     reasons = []
+    transient = False
     for node in nodes:
         try:
             raw = codec.decode(node.get(cid))
         except ObjectMissing:
             continue
-        except (NodeError, codec.ChunkFormatError) as e:
+        except NodeError as e:
+            transient = True
+            reasons.append(f"{node.name}: {e}")
+            continue
+        except (codec.ChunkFormatError, ValueError) as e:
             reasons.append(f"{node.name}: {e}")
             continue
         if digest is not None and xxhash.xxh3_128_hexdigest(raw) != digest:
@@ -237,9 +359,11 @@ def _read_object(nodes: Sequence[ObjectNode], cid: bytes, digest: str | None = N
         return raw
     number, piece = parse_id(cid)
     what = "manifest" if piece == MANIFEST_PIECE else f"piece {piece}"
-    raise BackupError(
+    err = BackupError(
         f"backup {number}: {what} is on no node" + (f" ({'; '.join(reasons)})" if reasons else "")
     )
+    err.transient = transient
+    raise err
 
 
 class _PieceReader(io.RawIOBase):
@@ -273,21 +397,44 @@ def backup_stream(nodes: Sequence[ObjectNode], manifest: dict) -> IO[bytes]:
     return io.BufferedReader(_PieceReader(nodes, manifest), 1 << 20)
 
 
-def backup_named(nodes: Sequence[ObjectNode], candidates: set[bytes]) -> set[bytes]:
+def backup_named(
+    nodes: Sequence[ObjectNode], candidates: set[bytes], problems: list[dict] | None = None
+) -> set[bytes]:
     """Which of these chunk ids a kept backup names (gc must not delete their objects).
 
     Reads only each backup's `chunks` table (the dump's first), and keeps only ids among
-    the candidates: memory is bounded by what gc was about to delete."""
+    the candidates: memory is bounded by what gc was about to delete. A backup that
+    cannot be read (a piece on no node, or corrupt, or an ill-formed dump) could not be
+    restored either: it is skipped and added to `problems` (with the listing's). A node
+    that failed to answer may hold what is missing: that raises (BackupError, transient),
+    and gc deletes nothing on this pass rather than what a readable backup names."""
     named: set[bytes] = set()
     if not candidates:
         return named
-    for m in list_backups(nodes):
-        rows = iter_table(read_records(backup_stream(nodes, m)), "chunks")
-        for row in rows:
-            cid = bytes(row[0])
-            if cid in candidates:
-                named.add(cid)
+    scan = scan_backups(nodes)
+    if problems is not None:
+        problems.extend(scan.problems)
+    for m in scan.backups:
+        try:
+            for row in iter_table(read_records(backup_stream(nodes, m)), "chunks"):
+                cid = row[0]
+                if cid in candidates:
+                    named.add(cid)
+        except BackupError as e:
+            if e.transient:
+                raise
+            _skipped(m, str(e), problems)
+        except DumpError as e:
+            _skipped(m, str(e), problems)
     return named
+
+
+def _skipped(m: dict, why: str, problems: list[dict] | None) -> None:
+    why = why.removeprefix(f"backup {m['id']}: ")
+    log.warning("backup %d: skipped: %s", m["id"], why)
+    if problems is not None:
+        cid = backup_id(m["id"], MANIFEST_PIECE).hex()
+        problems.append({"object": cid, "backup": m["id"], "problem": why[:200]})
 
 
 # -- settings and automatic backups ---------------------------------------------------

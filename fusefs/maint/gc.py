@@ -13,14 +13,17 @@ names an object gc may have deleted (metadata/sql/leases.py has the races).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 
 from chunkstore.nodes import NodeError
 from fusefs.cli.progress import Progress
 from fusefs.client.volume import Volume
-from fusefs.maint.backup import backup_named, is_backup_id
+from fusefs.maint.backup import BackupError, backup_named, is_backup_id
 from fusefs.maint.fsck import DEFAULT_GRACE
+
+log = logging.getLogger("ckptfs.gc")
 
 BATCH = 1000
 DOOM_S = 300.0  # gc deletes a batch of condemned objects within half of this, or stops
@@ -34,6 +37,9 @@ class GcReport:
     young_objects_skipped: int = 0
     tmp_files_deleted: int = 0  # partial replica writes a crash left on directory nodes
     errors: list[str] = field(default_factory=list)
+    # backup objects on the nodes that are unreadable or ill-formed (planted, or damaged):
+    # skipped, not an error of gc's ({"object", "backup", "problem"}, fusefs/maint/backup.py)
+    bad_backups: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
@@ -66,7 +72,7 @@ def gc(vol: Volume, *, grace: float = DEFAULT_GRACE, progress: bool | None = Non
                     else:
                         rep.young_objects_skipped += 1
                 # Objects a kept backup names stay (one read of the backups per node)...
-                kept = _kept(vol, {cid for cid, _ in old})
+                kept = _kept(vol, {cid for cid, _ in old}, rep)
                 old = [(cid, size) for cid, size in old if cid not in kept]
                 for i in range(0, len(old), BATCH):
                     part = old[i : i + BATCH]
@@ -88,11 +94,24 @@ def gc(vol: Volume, *, grace: float = DEFAULT_GRACE, progress: bool | None = Non
                         vol.meta.gc_release_objects(sorted(doomed))
             except NodeError as e:
                 rep.errors.append(f"node {node.name}: {e}")
+            except BackupError as e:  # a node did not answer: nothing deleted on this one
+                rep.errors.append(f"node {node.name}: backups not all readable ({e})")
             bar.update(1)
     rep.seconds = time.monotonic() - t0
     return rep
 
 
-def _kept(vol: Volume, candidates: set[bytes]) -> set[bytes]:
-    """Objects a kept backup names: its restore would need them (fusefs/maint/backup.py)."""
-    return backup_named(vol.store.nodes, candidates) if candidates else set()
+def _kept(vol: Volume, candidates: set[bytes], rep: GcReport) -> set[bytes]:
+    """Objects a kept backup names: its restore would need them (fusefs/maint/backup.py).
+    Backups that cannot be read are skipped, and named once in the report."""
+    if not candidates:
+        return set()
+    problems: list[dict] = []
+    named = backup_named(vol.store.nodes, candidates, problems)
+    seen = {p["object"] for p in rep.bad_backups}
+    for p in problems:
+        if p["object"] not in seen:
+            seen.add(p["object"])
+            rep.bad_backups.append(p)
+            log.warning("gc: backup object %s skipped: %s", p["object"], p["problem"])
+    return named
