@@ -33,6 +33,7 @@ COMMAND_MODULES: list[str] = [
     "fusefs.cli.ops",
     "fusefs.cli.tier",
     "fusefs.cli.demo",
+    "fusefs.cli.tokens",
 ]
 # Packages above this one (the load-test harness) add theirs through this entry-point group,
 # so that no import runs from fusefs up to them.

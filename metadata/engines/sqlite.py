@@ -66,6 +66,12 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS chunk_leases (id BLOB PRIMARY KEY, expires INTEGER NOT NULL)""",
     # what gc condemned, until its deadline (metadata/sql/leases.py); empty but for failed writers
     """CREATE TABLE IF NOT EXISTS chunk_doomed (id BLOB PRIMARY KEY, deadline INTEGER NOT NULL)""",
+    # scoped credentials, hashed (metadata/sql/tokens.py); not dumped onto the nodes
+    """CREATE TABLE IF NOT EXISTS tokens (
+        name TEXT PRIMARY KEY, role TEXT NOT NULL, jobs TEXT NOT NULL, prefixes TEXT NOT NULL,
+        expires DOUBLE PRECISION NOT NULL, created DOUBLE PRECISION NOT NULL,
+        digest BLOB NOT NULL UNIQUE)""",
+    """CREATE TABLE IF NOT EXISTS token_state (id INTEGER PRIMARY KEY, gen INTEGER NOT NULL)""",
     """CREATE TABLE IF NOT EXISTS xattrs (
         ino INTEGER NOT NULL, name BLOB NOT NULL, value BLOB NOT NULL,
         PRIMARY KEY (ino, name)) WITHOUT ROWID""",

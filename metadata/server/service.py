@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import errno
 import gc
-import hmac
 import logging
 import os
 import socket
@@ -58,15 +57,17 @@ from metadata.ckptcheck import manifest_ranks, no_durable_step
 from metadata.ckptformat import file_fields, pack_files
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.periodic import run_periodic
+from metadata.server.access import ACCESS_POLL_S, ADMIN, Access, Principal, request_binding
 from metadata.server.conn import Conn, Link, SocketLink, StreamLink
 from metadata.server.groupcommit import GroupCommit
 from metadata.server.readbatch import ReadBatcher
 from metadata.server.stats import ServiceStats
-from metadata.sql.requests import ONCE_METHODS
+from metadata.sql.requests import ONCE_METHODS, KeyReused
 from metadata.wire.protocol import (
     IDLE_TIMEOUT,
     MAX_CONNECTIONS,
     MAX_FRAME,
+    PERMISSIONS,
     PROTO_VERSION,
     READ_METHODS,
     REMOTE_METHODS,
@@ -140,13 +141,14 @@ class _Slot:
     slot needs no task of its own.
     """
 
-    __slots__ = ("done", "result", "error", "_waiters")
+    __slots__ = ("done", "result", "error", "_waiters", "binding")
 
     def __init__(self) -> None:
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
         self._waiters: list[Any] = []
+        self.binding = b""  # a keyed request's: who asked, what (server/access.py)
 
     def set(self, result: Any = None, error: BaseException | None = None) -> None:
         self.result, self.error, self.done = result, error, True
@@ -251,6 +253,7 @@ class MetaService:
         engine.claim_service()  # a SQLite volume: refused if another service runs on it
         self.engine = engine
         self._token = token.encode()
+        self.access = Access(engine, self._token)  # who may call what (server/access.py)
         self.base_dir = base_dir
         self.max_frame = max_frame
         self.limiter = trio.CapacityLimiter(threads)
@@ -280,6 +283,8 @@ class MetaService:
             "idle_closed": 0,  # idle past idle_timeout
             "evicted": 0,  # idle, closed to make room under max_connections
             "refused_full": 0,  # newcomers refused: max_connections, none idle
+            "refused_scope": 0,  # requests a credential's role or scope does not allow
+            "admin_calls": 0,  # requests that need the admin permission, made by one
         }
         self.counters = ServiceStats()  # replies, latencies, batches, steps (for metrics)
 
@@ -318,6 +323,10 @@ class MetaService:
                 prune = partial(self._run, self.engine.prune_requests)
                 nursery.start_soon(periodic, "prune_requests", prune, PRUNE_EVERY)
             every = min(IDLE_CHECK_MAX, self.idle_timeout / 4)
+            if getattr(self.engine, "token_generation", None) is not None:
+                await self._run(self.access.reload)
+                tokens = partial(self._run, self.access.reload)
+                nursery.start_soon(periodic, "tokens", tokens, ACCESS_POLL_S)
             nursery.start_soon(periodic, "idle_reaper", self._reap_idle, every)
             bound = listeners[0].socket.getsockname()[1]
             for listener in listeners:  # accepted here as plain sockets (conn.py says why)
@@ -478,7 +487,11 @@ class MetaService:
                 )
             )  # fmt: skip
             return
-        if not hmac.compare_digest(hello["token"].encode(), self._token):
+        principal = self.access.authenticate(hello["token"])
+        if principal is None and getattr(self.engine, "token_generation", None) is not None:
+            await self._run(self.access.reload)  # a token made since the last look
+            principal = self.access.authenticate(hello["token"])
+        if principal is None or self.access.current(principal) is None:
             self.stats["bad_clients"] += 1
             log.warning("wrong token from %s", peer)
             await link.send_all(
@@ -486,6 +499,7 @@ class MetaService:
             )
             return
         conn = Conn(link, self.counters)
+        conn.principal = principal
         if not self._admit(conn):
             self.stats["refused_full"] += 1
             log.warning("refusing %s: %d connections, none idle", peer, len(self._authed))
@@ -536,7 +550,8 @@ class MetaService:
                     conn.drained = trio.Event()
                     await conn.drained.wait()
                 req = parse_commit(body) or parse_request(body)
-                self._on_request(conn, nursery, req)
+                # a keyed request is bound to what it asked (server/access.py: keys)
+                self._on_request(conn, nursery, req, body if req[4] is not None else None)
             data = await link.receive(1 << 20)
             if not data or conn.scope.cancel_called:
                 return
@@ -583,7 +598,7 @@ class MetaService:
                 self._close_idle(conn)
 
     # -- dispatch ------------------------------------------------------------------
-    def _on_request(self, conn: Conn, nursery: trio.Nursery, req: tuple) -> None:
+    def _on_request(self, conn: Conn, nursery: trio.Nursery, req: tuple, body: Any = None) -> None:
         """Route one request without a task where possible: the hot ones never wait here."""
         rid, method, args, kwargs, key = req
         self.stats["requests"] += 1
@@ -593,13 +608,40 @@ class MetaService:
         if method not in REMOTE_METHODS:
             conn.reply(rid, None, MetaError(errno.ENOSYS, f"unknown method {method!r}"), method)
             return
+        p = conn.principal
+        scoped = p is not ADMIN
+        if scoped:
+            now_p = self.access.current(p)
+            err = (
+                MetaError(errno.EACCES, f"token {p.name} was revoked or has expired")
+                if now_p is None
+                else self.access.refuse(now_p, method, args, kwargs)
+            )
+            if err is not None:
+                self._refused(p, method, err)
+                conn.reply(rid, None, err, method)
+                return
+            p = conn.principal = now_p
+        if PERMISSIONS[method][0] == "admin":
+            self.stats["admin_calls"] += 1
+            log.info("admin call %s by token %s", method, p.name)
         slot: _Slot | None = None
         if key is not None and method not in READ_METHODS:  # a read is safe to run again
+            binding = request_binding(p.name, body)
             prev = self._idem.get(key)
-            if prev is not None:  # a retry: answer with the first outcome
+            if prev is not None:  # a retry: answer with the first outcome, if it is one
+                if prev.binding != binding:
+                    err = KeyReused(
+                        errno.EINVAL, f"{method}: idempotency key reused by another caller, "
+                        "method or arguments",
+                    )  # fmt: skip
+                    self._refused(p, method, err)
+                    conn.reply(rid, None, err, method)
+                    return
                 prev.add(lambda s: conn.reply(rid, s.result, s.error, method))
                 return
             slot = self._idem[key] = _Slot()
+            slot.binding = binding
             while len(self._idem) > IDEM_KEEP:
                 self._idem.popitem(last=False)
             slot.add(lambda s: conn.reply(rid, s.result, s.error, method))
@@ -610,6 +652,10 @@ class MetaService:
             if method == "ping":
                 self.stats["inline"] += 1
                 slot.set(None)
+                return
+            if scoped and (self.access.needs_paths(p, method) or method == "list_checkpoints"):
+                # the namespace scope needs the engine: checked in the task
+                nursery.start_soon(self._scoped_task, p, method, args, kwargs, key, slot)
                 return
             if method == "commit_rank":
                 item = _commit_args(*args, **kwargs)
@@ -658,11 +704,51 @@ class MetaService:
                 self._task, "manifest", [job, found.result, only], {}, None, slot
             )
 
+    def _refused(self, p: Principal, method: str, err: MetaError) -> None:
+        self.stats["refused_scope"] += 1
+        log.warning("refused: %s", err)  # the message names the method and the token
+
+    async def _scoped_task(
+        self, p: Principal, method: str, args: list, kwargs: dict, key: bytes | None, slot: _Slot
+    ) -> None:
+        """A scoped credential's namespace request: its scope checked, then run, and a
+        listing above its roots trimmed to the way to them (server/access.py)."""
+        try:
+            err = None
+            if self.access.needs_paths(p, method):
+                err = await self.access.refuse_paths(p, method, args, kwargs, self._run)
+        except MetaError as e:
+            err = e
+        if err is not None:
+            self._refused(p, method, err)
+            if key is not None:
+                self._idem.pop(key, None)
+            slot.set(error=err)
+            return
+        inner = _Slot()
+        inner.binding = slot.binding
+        inner.add(
+            lambda s: (
+                slot.set(error=s.error)
+                if s.error is not None
+                else slot.set(self.access.visible(p, method, args, s.result, self._listed(args)))
+            )
+        )
+        await self._task(method, args, kwargs, key, inner)
+
+    def _listed(self, args: list) -> bytes:
+        """The path of a readdir's directory, as its scope check resolved it."""
+        return self.access.cached_path(args[0]) if args and isinstance(args[0], int) else b"/"
+
     async def _task(
         self, method: str, args: list, kwargs: dict, key: bytes | None, slot: _Slot
     ) -> None:
         try:
-            result = await self._dispatch(method, args, kwargs, key)
+            result = await self._dispatch(method, args, kwargs, key, slot.binding)
+        except KeyReused as e:
+            if key is not None and self._idem.get(key) is slot:
+                self._idem.pop(key)  # not the key's outcome: its own caller's retry runs
+            slot.set(error=e)
         except (MetaError, TypeError, ValueError) as e:
             slot.set(error=e)
         except Exception as e:
@@ -679,7 +765,7 @@ class MetaService:
             slot.set(result)
 
     async def _dispatch(
-        self, method: str, args: list, kwargs: dict, key: bytes | None = None
+        self, method: str, args: list, kwargs: dict, key: bytes | None = None, binding: bytes = b""
     ) -> Any:
         if method == "get_config":
             return await self._get_config(*args, **kwargs)
@@ -690,8 +776,9 @@ class MetaService:
         run_once = getattr(self.engine, "run_once", None)
         if key is not None and method in ONCE_METHODS and run_once is not None:
             # applied once whichever replica a retry reaches: the key and the answer are
-            # written in the request's own transaction (requests.py)
-            result = await self._run(run_once, key, method, args, kwargs)
+            # written in the request's own transaction (requests.py); the key carries its
+            # binding (who asked, what), checked there against a retry's
+            result = await self._run(run_once, key, method, args, kwargs, binding)
         else:
             result = await self._run(getattr(self.engine, method), *args, **kwargs)
         if method == "abort":

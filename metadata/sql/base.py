@@ -34,6 +34,7 @@ from metadata.sql.maintenance import MaintenanceMixin
 from metadata.sql.namespace import ATTR_COLS, NamespaceMixin, attr_of
 from metadata.sql.requests import RequestMixin
 from metadata.sql.retention import RetentionMixin
+from metadata.sql.tokens import TokenMixin
 from metadata.sql.txlocks import SCHEMA_LOCK
 
 INO_HWM = "ino_hwm"  # config key: the highest inode number ever handed out
@@ -56,6 +57,7 @@ class SqlEngine(
     CheckpointQueryMixin,
     MaintenanceMixin,
     RequestMixin,
+    TokenMixin,
     DumpSqlMixin,
     MetaEngine,
 ):
@@ -175,7 +177,7 @@ class SqlEngine(
     UPGRADES = {"inodes": {"alloc": "INTEGER NOT NULL DEFAULT -1"}}
     # tables since the first volumes (made from `_ddl` at open: made lazily, inside a
     # writer's transaction, one held the schema lock for every other writer's first call)
-    TABLES_ADDED = ("inline_data", "chunk_leases", "chunk_doomed")
+    TABLES_ADDED = ("inline_data", "chunk_leases", "chunk_doomed", "tokens", "token_state")
 
     def _upgrade_schema(self) -> None:
         """Add the columns a volume made by an older version lacks; called at open, before

@@ -29,6 +29,7 @@ from metadata.engine import (
     check_extents,
     check_new_chunks,
 )
+from metadata.sql.leases import check_ids
 from metadata.sql.namespace import ATTR_COLS, attr_of
 from metadata.sql.txlocks import CHUNK_GATE, retried
 
@@ -295,7 +296,7 @@ class ChunkRefMixin:
 
     @retried
     def missing_chunks(self, ids: list[bytes]) -> set[bytes]:
-        ids = list(dict.fromkeys(ids))
+        ids = list(dict.fromkeys(check_ids(ids, "missing_chunks")))
         with self._tx() as c:
             # gc is not between the look and the touch (a chunk found is one it keeps)
             self._lock_named(c, CHUNK_GATE, shared=True)

@@ -53,6 +53,17 @@ from metadata.sql.txlocks import CHUNK_GATE, retried
 
 LEASE_TTL_S = 1800.0  # a writer renews every RENEW_EVERY_S (sink.py), well within it
 LEASE_PURGE_S = 7 * 86400.0  # lapsed leases and released dooms kept this long
+MAX_HOLD_S = 3600.0  # the longest gc may hold content doomed (fusefs/maint/gc.py: 300 s)
+MAX_IDS = 1 << 20  # ids in one lease, renewal or gc request
+
+
+def check_ids(ids: Any, what: str) -> list[bytes]:
+    """A client's list of chunk ids, bounded (a list past MAX_IDS is refused, EINVAL)."""
+    if not isinstance(ids, list | tuple | set) or len(ids) > MAX_IDS:
+        raise MetaError(errno.EINVAL, f"{what}: a list of at most {MAX_IDS} chunk ids")
+    if not all(isinstance(cid, bytes) and len(cid) == 16 for cid in ids):
+        raise MetaError(errno.EINVAL, f"{what}: chunk ids are 16 bytes")
+    return sorted(set(ids))
 
 
 def _now() -> int:
@@ -131,7 +142,7 @@ class LeaseMixin:
     def end_chunk_leases(self, ids: list[bytes]) -> None:
         """A writer gives these chunks up (its save failed): their live leases lapse now,
         so gc may collect the objects after the grace period, not the lease's TTL."""
-        ids = sorted(set(ids))
+        ids = check_ids(ids, "end_chunk_leases")
         if not ids:
             return
         with self._tx() as c:
@@ -147,7 +158,7 @@ class LeaseMixin:
         registered by a commit since (no longer in flight) or lost (doomed by gc: the
         commit will refuse them). A lease that lapsed while gc doomed nothing is renewed:
         its object is where it was."""
-        ids = sorted(set(ids))
+        ids = check_ids(ids, "renew_chunk_leases")
         if not ids:
             return set()
         now = _now()
@@ -172,7 +183,9 @@ class LeaseMixin:
         seconds: no chunk row (journal applied first), no live lease, not doomed by a gc
         still inside its hold. The caller deletes them within hold_s of asking, by its own
         clock, or not at all."""
-        ids = sorted(set(ids))
+        ids = check_ids(ids, "gc_orphan_objects")
+        if not isinstance(hold_s, int | float) or not 0 < hold_s <= MAX_HOLD_S:
+            raise MetaError(errno.EINVAL, f"gc_orphan_objects: hold_s in (0, {MAX_HOLD_S:g}] s")
         now = _now()
         with self._tx() as c:
             self._lock_named(c, CHUNK_GATE)  # no grant, renewal or commit in flight
@@ -208,7 +221,7 @@ class LeaseMixin:
         """gc deleted (or gave up on) these doomed objects: their hold ends now, so a writer
         asking from now on is granted a lease that clears the doom (its put comes after
         every delete), while a commit on a lease granted before stays refused."""
-        ids = sorted(set(ids))
+        ids = check_ids(ids, "gc_release_objects")
         if not ids:
             return
         now = _now()

@@ -99,18 +99,24 @@ class MaintenanceMixin:
 
     def inode_path(self, ino: int) -> str | None:
         """One path of an inode (None for an unlinked one), for messages."""
-        names: list[str] = []
+        path = self.path_of(ino)
+        return None if path is None else path.decode(errors="replace")
+
+    def path_of(self, ino: int) -> bytes | None:
+        """One path of an inode, exact (None for an unlinked one): what a scoped
+        credential's namespace requests are checked against (server/access.py)."""
+        names: list[bytes] = []
         with self._read() as c:  # type: ignore[attr-defined]
             for _ in range(4096):
                 if ino == 1:
-                    return "/" + "/".join(reversed(names))
+                    return b"/" + b"/".join(reversed(names))
                 row = self._x(  # type: ignore[attr-defined]
                     c, "SELECT parent, name FROM dentries WHERE ino = ? LIMIT 1", (ino,)
                 ).fetchone()
                 if row is None:
                     return None
                 ino = row[0]
-                names.append(bytes(row[1]).decode(errors="replace"))
+                names.append(bytes(row[1]))
         return None
 
     @retried

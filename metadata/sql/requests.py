@@ -51,9 +51,15 @@ ONCE_METHODS = frozenset(
     }
 )  # fmt: skip
 
+
+class KeyReused(MetaError):
+    """A request key replayed by another caller, or with another method or arguments: its
+    refusal is no outcome of the key (the first caller's retry is still answered)."""
+
+
 _DDL = [
     "CREATE TABLE IF NOT EXISTS requests (key {blob} PRIMARY KEY, "
-    "created BIGINT NOT NULL, result {blob} NOT NULL)",
+    "created BIGINT NOT NULL, result {blob} NOT NULL, binding {blob})",
     "CREATE INDEX IF NOT EXISTS requests_created ON requests (created)",
 ]
 
@@ -76,12 +82,20 @@ class RequestMixin:
                 self._lock_named(c, SCHEMA_LOCK)
                 for stmt in _DDL:
                     self._x(c, stmt.format(blob=self._blob_type()))
+            elif not self._has(c, "requests", "binding"):  # a table made before bindings
+                self._lock_named(c, SCHEMA_LOCK)
+                if not self._has(c, "requests", "binding"):
+                    self._x(c, f"ALTER TABLE requests ADD COLUMN binding {self._blob_type()}")
             self._req_ready = True
 
     @retried
-    def run_once(self, key: bytes, method: str, args: list, kwargs: dict) -> Any:
-        """Apply `method(*args, **kwargs)` once for `key`, whoever asks and how often: the
-        first committed outcome is every later call's answer (module docstring)."""
+    def run_once(
+        self, key: bytes, method: str, args: list, kwargs: dict, binding: bytes = b""
+    ) -> Any:
+        """Apply `method(*args, **kwargs)` once for `key`: the first committed outcome is
+        every later call's answer (module docstring). `binding` says who asked and what
+        (server/access.py): a key replayed with another binding is refused (EINVAL), never
+        answered with someone else's outcome."""
         if method not in ONCE_METHODS:
             raise MetaError(errno.EINVAL, f"{method} is not run through the request table")
         if not isinstance(key, bytes) or not 8 <= len(key) <= 64:
@@ -91,12 +105,17 @@ class RequestMixin:
             self._ensure_requests(c)
             claim = self._x(
                 c,
-                "INSERT INTO requests (key, created, result) VALUES (?, ?, ?) "
+                "INSERT INTO requests (key, created, result, binding) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT (key) DO NOTHING",
-                (key, time.time_ns(), b""),
+                (key, time.time_ns(), b"", binding),
             )
             if claim.rowcount != 1:  # applied before (or just now, elsewhere): its answer
-                row = self._one(c, "SELECT result FROM requests WHERE key = ?", (key,))
+                row = self._one(c, "SELECT result, binding FROM requests WHERE key = ?", (key,))
+                if bytes(row[1] or b"") != binding:
+                    raise KeyReused(
+                        errno.EINVAL,
+                        f"{method}: idempotency key reused by another caller, method or arguments",
+                    )
                 return decode(bytes(row[0]))
             result = fn(*args, **kwargs)
             self._x(c, "UPDATE requests SET result = ? WHERE key = ?", (encode(result), key))

@@ -66,6 +66,49 @@ MUTATING_METHODS = frozenset(
 )  # fmt: skip
 REMOTE_METHODS = READ_METHODS | MUTATING_METHODS
 
+# The one permission every remote method needs (checked at one place, at the service
+# boundary: metadata/server/access.py), and what of its arguments the caller's scope must
+# cover: "job" (the first argument names a job), "ino" (the first is an inode or a parent
+# directory), "ino2" (rename and link: both directories), "" (nothing scoped). Roles:
+# "read" any credential (a scoped one within its scope), "write" a writer (within its
+# scope) or admin, "admin" the volume's administrator only.
+PERMISSIONS: dict[str, tuple[str, str]] = {
+    # liveness, configuration (the chunk-id seed a writer hashes with), content by id
+    "ping": ("read", ""), "get_config": ("read", ""), "stats": ("read", ""),
+    "sync": ("read", ""), "chunk_info": ("read", ""), "inline_data": ("read", ""),
+    "changes_since": ("read", ""), "pending_refs": ("read", ""),
+    # the namespace, read
+    "lookup": ("read", "ino"), "getattr": ("read", "ino"), "readdir": ("read", "ino"),
+    "readlink": ("read", "ino"), "get_xattr": ("read", "ino"), "list_xattr": ("read", "ino"),
+    "get_extents": ("read", "ino"), "parent": ("read", "ino"),
+    # checkpoints, read
+    "step_state": ("read", "job"), "wait_published": ("read", "job"), "latest": ("read", "job"),
+    "latest_durable": ("read", "job"), "manifest": ("read", "job"),
+    "list_checkpoints": ("read", "job"), "checkpoint_info": ("read", "job"),
+    "get_retention": ("read", "job"),
+    # the namespace, written
+    "create": ("write", "ino"), "unlink": ("write", "ino"), "rmdir": ("write", "ino"),
+    "setattr": ("write", "ino"), "set_xattr": ("write", "ino"),
+    "remove_xattr": ("write", "ino"), "commit_file": ("write", "ino"),
+    "forget_orphan": ("write", "ino"), "link": ("write", "ino2"), "rename": ("write", "ino2"),
+    # chunks a writer stores (its own claims: leases, durability after its uploads)
+    "missing_chunks": ("write", ""), "mark_durable": ("write", ""),
+    "renew_chunk_leases": ("write", ""), "end_chunk_leases": ("write", ""),
+    # checkpoints, written: a writer's own jobs
+    "begin": ("write", "job"), "commit_rank": ("write", "job"), "abort": ("write", "job"),
+    "delete_checkpoint": ("write", "job"), "retain": ("write", "job"),
+    "set_retention": ("write", "job"), "apply_retention": ("write", "job"),
+    # maintenance: gc, fsck and scrub repair, chunk rows, orphans, the volume's clock
+    "expire": ("admin", ""), "purge_orphans": ("admin", ""), "fix_refcounts": ("admin", ""),
+    "gc_chunk_rows": ("admin", ""), "record_under_replicated": ("admin", ""),
+    "clear_under_replicated": ("admin", ""), "drop_chunk_rows": ("admin", ""),
+    "register_chunk_rows": ("admin", ""), "apply_pending": ("admin", ""),
+    "gc_orphan_objects": ("admin", ""), "gc_release_objects": ("admin", ""),
+    "chunk_rows": ("admin", ""), "true_refcounts": ("admin", ""), "files_using": ("admin", ""),
+    "inode_path": ("admin", ""), "known_chunks": ("admin", ""),
+    "under_replicated": ("admin", ""),
+}  # fmt: skip
+
 
 class ProtocolError(Exception):
     """A peer sent something that is not a valid frame or message."""
