@@ -44,6 +44,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -101,10 +102,12 @@ def _pipelined(client, calls: list[tuple]) -> tuple[float, float, list[float]]:
     return t0, t1, lat
 
 
-def worker(url: str, job: str, step: int, ranks: list[int], barrier, out, leases: bool) -> None:
+def worker(
+    url: str, job: str, step: int, ranks: list[int], barrier, out, leases: bool, token: str | None
+) -> None:
     from metadata.client import connect
 
-    client = connect(url)
+    client = connect(url, token=token)  # None: the volume's admin token (CKPTFS_TOKEN_FILE)
     host = f"bench-{os.getpid()}"
     files = {r: rank_files(r) for r in ranks}
     payload = [("commit_rank", (job, step, r, files[r]), {"host": host}) for r in ranks]
@@ -270,12 +273,45 @@ def run_jobs(
     }
 
 
+def scoped_vs_admin(
+    engine: str, n: int, procs: int, tmp: str, tls: bool, leases: bool, rounds: int
+) -> dict:
+    """`rounds` publishes with writer tokens and as many with the admin token, alternating
+    which goes first; the scoped credential's checks (server/access.py) cost what this
+    ratio shows (target <= 1.10)."""
+    runs: dict[str, list[dict]] = {"admin": [], "scoped": []}
+    for r in range(rounds):
+        for kind in ("admin", "scoped") if r % 2 == 0 else ("scoped", "admin"):
+            runs[kind].append(run(engine, n, procs, tmp, tls, leases, scoped=kind == "scoped"))
+    med = {k: statistics.median(x["publish_ms"] for x in v) for k, v in runs.items()}
+    return {
+        "engine": engine,
+        "ranks": n,
+        "rounds": rounds,
+        "admin_publish_ms": [x["publish_ms"] for x in runs["admin"]],
+        "scoped_publish_ms": [x["publish_ms"] for x in runs["scoped"]],
+        "scoped_vs_admin": round(med["scoped"] / med["admin"], 3),
+        "target_scoped_vs_admin": 1.10,
+        "states": sorted({x["state"] for v in runs.values() for x in v}),
+    }
+
+
 def _pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
-def run(engine: str, n: int, procs: int, tmp: str, tls: bool = False, leases: bool = False) -> dict:
+def run(
+    engine: str,
+    n: int,
+    procs: int,
+    tmp: str,
+    tls: bool = False,
+    leases: bool = False,
+    scoped: bool = False,
+) -> dict:
+    """One publish of n ranks; `scoped`: the ranks hold a writer token of the job's scope
+    (metadata/server/access.py checks each request), else the volume's admin token."""
     from bench.servers.metaserve import MetaServer, self_signed
     from bench.servers.postgres import PgCluster, pg_available
     from fusefs.client.volume import Volume
@@ -290,7 +326,11 @@ def run(engine: str, n: int, procs: int, tmp: str, tls: bool = False, leases: bo
         cluster = PgCluster(fsync=True)
         db = cluster.create_db()
     vol_dir = os.path.join(tmp, f"vol-{engine}")
-    Volume.create(vol_dir, nodes=2, db=db).close()
+    shutil.rmtree(vol_dir, ignore_errors=True)
+    shutil.rmtree(vol_dir + ".nodes", ignore_errors=True)
+    vol = Volume.create(vol_dir, nodes=2, db=db)
+    token = vol.meta.create_token("bench-ranks", "writer", ["bench"]) if scoped else None
+    vol.close()
     server = MetaServer(vol_dir, db=db, tls=self_signed(tmp) if tls else None)
     try:
         job, step = "bench", 1
@@ -301,7 +341,7 @@ def run(engine: str, n: int, procs: int, tmp: str, tls: bool = False, leases: bo
         out = ctx.Queue()
         ps = [
             ctx.Process(target=worker, args=(server.url, job, step, list(range(i, n, procs)),
-                                              barrier, out, leases))
+                                              barrier, out, leases, token))
             for i in range(procs)
         ]  # fmt: skip
         for p in ps:
@@ -350,6 +390,7 @@ def run(engine: str, n: int, procs: int, tmp: str, tls: bool = False, leases: bo
         "baseline_rpc_ms": round(base_ms, 1),
         "latest_rpc_ms": round(latest_ms, 1),
         "leases": leases,
+        "scoped": scoped,
         "lease_rpc_ms": round(lease_ms, 1) if leases else None,
         "publish_vs_baseline": round(publish_ms / base_ms, 2) if base_ms else None,
         "manifest_vs_baseline": round(man_ms / base_ms, 2) if base_ms else None,
@@ -370,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
         "--leases", action="store_true",
         help="ranks ask which of their chunks exist first (leasing them), as real writers do",
     )  # fmt: skip
+    ap.add_argument(
+        "--scoped", action="store_true",
+        help="--rounds publishes with a writer token of the job and as many with the admin "
+        "token, alternating: sqlite.scoped_vs_admin (median over median publish_ms)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if min(args.ranks, args.jobs, args.meta_replicas, args.procs, args.rounds) < 1:
         ap.error("--ranks, --jobs, --meta-replicas, --procs and --rounds must be at least 1")
@@ -381,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         results = {
             e: run_jobs(e, args.ranks, args.jobs, args.meta_replicas, tmp, args.tls, args.rounds)
             if multi
+            else scoped_vs_admin(e, args.ranks, procs, tmp, args.tls, args.leases, args.rounds)
+            if args.scoped
             else run(e, args.ranks, procs, tmp, args.tls, args.leases)
             for e in engines
         }
