@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import importlib.metadata
 import os
+import pickle
 import re
 import socket
 import subprocess
@@ -311,6 +312,25 @@ def test_wrong_token_is_permission_error(service, tmp_path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(PermissionError, match="no token"):
         fsspec.filesystem("ckptfs", host="127.0.0.1", port=service.port)
+
+
+def test_no_secret_travels_with_the_filesystem(service, tmp_path, monkeypatch):
+    """fsspec keeps storage options for to_json() and pickle: a raw token= is refused, and
+    a filesystem opened by token file carries the file's path, never the secret."""
+    with pytest.raises(ValueError, match="token_file"):
+        fsspec.filesystem("ckptfs", host="127.0.0.1", port=service.port, token="s3cret-value")
+    secret = open(service.token_file).read().strip()
+    monkeypatch.delenv("CKPTFS_TOKEN", raising=False)
+    monkeypatch.delenv("CKPTFS_TOKEN_FILE", raising=False)
+    fs = fsspec.filesystem(
+        "ckptfs", host="127.0.0.1", port=service.port, token_file=service.token_file,
+        skip_instance_cache=True,
+    )  # fmt: skip
+    fs.pipe_file("/carried.bin", b"x")
+    assert fs.cat_file("/carried.bin") == b"x"
+    for blob in (fs.to_json().encode(), pickle.dumps(fs)):
+        assert secret.encode() not in blob
+    assert pickle.loads(pickle.dumps(fs)).cat_file("/carried.bin") == b"x"
 
 
 def test_wrong_host_is_connection_error(tmp_path, entry_point_site):

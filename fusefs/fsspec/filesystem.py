@@ -46,9 +46,10 @@ class CkptfsFileSystem(AbstractFileSystem):
     """fsspec filesystem for `ckptfs://HOST:PORT/PATH` (a service), `ckptfs:///PATH` (the
     embedded default volume, or the directory named by `volume=`).
 
-    Storage options: host, port, volume, token, token_file, tls, ca, retry (as in service
-    URLs); staging (True: the default per-volume staging directory; a path; False: no
-    write-behind tier), durability ("local" or "remote"), staging_size (bytes)."""
+    Storage options: host, port, volume, token_file, tls, ca, retry (as in service URLs;
+    the token from token_file=, CKPTFS_TOKEN_FILE or CKPTFS_TOKEN, never token=: fsspec
+    keeps its options); staging (True: the default per-volume staging directory; a path;
+    False: no write-behind tier), durability ("local" or "remote"), staging_size (bytes)."""
 
     protocol = (PROTOCOL,)
     root_marker = "/"
@@ -70,6 +71,13 @@ class CkptfsFileSystem(AbstractFileSystem):
         staging_size: int | None = None,
         **kwargs: Any,
     ) -> None:
+        if token is not None:
+            # fsspec keeps every storage option (fs.to_json(), pickle): a secret passed here
+            # would travel with them
+            raise ValueError(
+                "ckptfs: fsspec keeps its storage options (to_json, pickle), so it takes no "
+                "token=: give token_file=PATH, or set CKPTFS_TOKEN_FILE or CKPTFS_TOKEN"
+            )
         super().__init__(**kwargs)
         self.target = Target(
             host=host or None,
@@ -87,7 +95,7 @@ class CkptfsFileSystem(AbstractFileSystem):
                 from fusefs.client.defaults import ensure_default_volume
 
                 spec = ensure_default_volume()
-            self._opened = (spec, tier_spec(staging, durability, staging_size), token)
+            self._opened = (spec, tier_spec(staging, durability, staging_size))
             self.blocksize = self.volume.settings.chunk_size
 
     @property
@@ -95,8 +103,8 @@ class CkptfsFileSystem(AbstractFileSystem):
         """The process's volume for this target, from the registry on every use: fsspec
         keeps filesystem instances across calls, and one made before `close_volumes()` (a
         test's teardown, a fork) reopens its volume instead of holding a closed one."""
-        spec, tier, token = self._opened
-        return volume_for(spec, tier, token=token)
+        spec, tier = self._opened
+        return volume_for(spec, tier)
 
     # -- paths -----------------------------------------------------------------------------
     @classmethod
