@@ -18,13 +18,16 @@ an operator opens.
 from __future__ import annotations
 
 import errno
+import io
+import queue
+import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import make_wsgi_app
 from prometheus_client.core import (
@@ -33,7 +36,6 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -400,11 +402,203 @@ class MetricsServer:
         self._httpd.server_close()
 
 
-def _serve(host: str, port: int, app: Any, cost: _ScrapeCost) -> ThreadingWSGIServer:
-    """A bound threading WSGI server for `app` whose request threads add their CPU time
-    to `cost` and log nothing (a scrape a second would flood stderr)."""
+# The endpoint is unauthenticated and may face any network its address reaches, so what a
+# client can make it hold is bounded for the endpoint as a whole (DESIGN "Trust model"):
+# connections whose request headers are not complete yet wait in one selector thread (at
+# most PENDING_MAX of them, the oldest dropped for a new one, each for at most
+# REQUEST_TIMEOUT_S and HEADER_MAX bytes), and only complete requests reach the WORKERS
+# threads that answer them, each socket operation of theirs timed out too. 300 scrapers
+# that never finish their headers hold no thread, and a real scrape is answered at once.
+WORKERS = 2  # threads answering complete requests
+QUEUE_MAX = 16  # complete requests waiting for a worker (more: 503)
+PENDING_MAX = 64  # connections still sending their headers
+REQUEST_TIMEOUT_S = 5.0  # to send the request headers; then each send/recv of the answer
+HEADER_MAX = 16 << 10  # bytes of request line and headers (more: 431)
+
+
+class _Prefixed(io.RawIOBase):
+    """A socket's input with the bytes the selector already read in front."""
+
+    def __init__(self, head: bytes, sock: socket.socket) -> None:
+        self.head = memoryview(head)
+        self.sock = sock
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self.head:
+            n = min(len(b), len(self.head))
+            b[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        return self.sock.recv_into(b)
+
+
+class _BoundedServer(WSGIServer):
+    """wsgiref's WSGIServer bound and listening as usual, served by serve_forever below:
+    a selector thread reads request headers without blocking, a fixed pool answers."""
+
+    request_queue_size = 128
+
+    def __init__(self, addr: tuple, handler: type, family: int) -> None:
+        self.address_family = family
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()  # (before a bind that may fail)
+        super().__init__(addr, handler)
+        self._queue: queue.Queue = queue.Queue(QUEUE_MAX)
+        self._workers: list[threading.Thread] = []
+        self.dropped = 0  # connections closed unanswered (slow, oversized, over the bounds)
+        self._done = threading.Event()
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        for i in range(WORKERS):
+            t = threading.Thread(target=self._work, name=f"ckptfs-metrics-{i}", daemon=True)
+            t.start()
+            self._workers.append(t)
+        sel = selectors.DefaultSelector()
+        self.socket.setblocking(False)
+        sel.register(self.socket, selectors.EVENT_READ, None)
+        sel.register(self._wake_r, selectors.EVENT_READ, None)
+        pending: dict[
+            socket.socket, list
+        ] = {}  # conn -> [deadline, bytearray, addr] (in age order)
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                first = next(iter(pending.values()), None)
+                wait = (
+                    poll_interval if first is None else max(0.0, min(poll_interval, first[0] - now))
+                )
+                for key, _ in sel.select(wait):
+                    sock = key.fileobj
+                    if sock is self.socket:
+                        self._accept(sel, pending)
+                    elif sock is self._wake_r:
+                        self._wake_r.recv(64)
+                    else:
+                        self._read(sel, pending, sock)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for sock, (deadline, _buf, _addr) in list(pending.items()):
+                    if deadline > now:
+                        break  # in age order: the rest are younger
+                    self._drop(sel, pending, sock)
+        finally:
+            for sock in list(pending):
+                self._drop(sel, pending, sock)
+            sel.close()
+            for _ in self._workers:
+                self._queue.put(None)
+            self._done.set()
+
+    def _accept(self, sel: Any, pending: dict) -> None:
+        for _ in range(64):  # what is waiting now, not forever
+            try:
+                conn, addr = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors, a reset: the next round
+                return
+            if len(pending) >= PENDING_MAX:  # the oldest (slowest) makes room
+                self._drop(sel, pending, next(iter(pending)))
+            conn.setblocking(False)
+            pending[conn] = [time.monotonic() + REQUEST_TIMEOUT_S, bytearray(), addr]
+            sel.register(conn, selectors.EVENT_READ, None)
+
+    def _read(self, sel: Any, pending: dict, sock: socket.socket) -> None:
+        entry = pending.get(sock)
+        if entry is None:
+            return
+        try:
+            data = sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(sel, pending, sock)
+            return
+        buf = entry[1]
+        buf += data
+        if b"\r\n\r\n" in buf or b"\n\n" in buf:
+            sel.unregister(sock)
+            del pending[sock]
+            try:
+                self._queue.put_nowait((sock, bytes(buf), entry[2]))
+            except queue.Full:
+                self._refuse(sock, b"503 Service Unavailable")
+        elif len(buf) > HEADER_MAX:
+            sel.unregister(sock)
+            del pending[sock]
+            self._refuse(sock, b"431 Request Header Fields Too Large")
+
+    def _drop(self, sel: Any, pending: dict, sock: socket.socket) -> None:
+        pending.pop(sock, None)
+        try:
+            sel.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
+        self.dropped += 1
+
+    def _refuse(self, sock: socket.socket, status: bytes) -> None:
+        try:
+            sock.send(b"HTTP/1.0 " + status + b"\r\nContent-Length: 0\r\n\r\n")
+        except OSError:
+            pass
+        sock.close()
+        self.dropped += 1
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            sock, head, addr = item
+            try:
+                sock.setblocking(True)
+                sock.settimeout(REQUEST_TIMEOUT_S)
+                self.RequestHandlerClass(sock, addr, self, head=head)
+            except Exception:  # noqa: BLE001, S110 - a client gone mid-answer: its loss only
+                pass
+            finally:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+        self._done.wait(5.0)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _serve(host: str, port: int, app: Any, cost: _ScrapeCost) -> _BoundedServer:
+    """A bound WSGI server for `app` (bounded: see _BoundedServer) whose request threads
+    add their CPU time to `cost` and log nothing (a scrape a second would flood stderr)."""
 
     class Handler(WSGIRequestHandler):
+        timeout = REQUEST_TIMEOUT_S
+
+        def __init__(self, request: Any, client_address: Any, server: Any, *, head: bytes):
+            self._head = head
+            super().__init__(request, client_address, server)
+
+        def setup(self) -> None:
+            self.connection = self.request
+            self.connection.settimeout(self.timeout)
+            self.rfile = io.BufferedReader(_Prefixed(self._head, self.connection))
+            self.wfile = self.connection.makefile("wb")  # buffered: never a partial write
+
         def handle(self) -> None:
             t = time.thread_time()
             try:
@@ -421,11 +615,9 @@ def _serve(host: str, port: int, app: Any, cost: _ScrapeCost) -> ThreadingWSGISe
         host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
     family, _, _, _, sockaddr = infos[0]
-
-    class Server(ThreadingWSGIServer):
-        address_family = family
-
-    return make_server(sockaddr[0], port, app, Server, handler_class=Handler)
+    server = _BoundedServer((sockaddr[0], port), Handler, family)
+    server.set_app(app)
+    return server
 
 
 def serve_mount_metrics(listen: tuple[str, int]) -> tuple[MetricsServer, MountCollector]:

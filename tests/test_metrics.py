@@ -313,3 +313,50 @@ def test_a_training_process_can_export_its_volumes(tmp_path, monkeypatch, entry_
     finally:
         server.close()
         close_volumes()
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_stalled_scrapers_hold_no_threads_and_a_real_scrape_is_answered(monkeypatch):
+    """Issue 40 (D): 300 connections that never finish their request headers (and one
+    that sends too many) hold neither a thread each nor a descriptor for long, and a normal
+    scrape among them is answered at once."""
+    import threading
+
+    import fusefs.metrics as metrics
+
+    monkeypatch.setattr(metrics, "REQUEST_TIMEOUT_S", 1.5)
+    m = metrics.MetricsServer("127.0.0.1", 0, "test", [])
+    stalled: list[socket.socket] = []
+    try:
+        threads0, fds0 = threading.active_count(), _fds()
+        for i in range(300):
+            s = socket.create_connection(("127.0.0.1", m.port), timeout=5)
+            if i % 2:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never ends
+            stalled.append(s)
+        time.sleep(0.3)  # the server took them all
+        t0 = time.monotonic()
+        body = urllib.request.urlopen(m.url, timeout=5).read()
+        assert b"ckptfs_info" in body
+        assert time.monotonic() - t0 < 1.0
+        # a bounded pool: the selector thread and the workers, however many connect
+        assert threading.active_count() - threads0 <= metrics.WORKERS + 1
+        # descriptors: ours (300) and at most the server's pending bound on its side
+        assert _fds() - fds0 <= 300 + metrics.PENDING_MAX + 8
+        # too many header bytes: refused, not read forever
+        with socket.create_connection(("127.0.0.1", m.port), timeout=5) as big:
+            big.sendall(b"GET /metrics HTTP/1.1\r\n" + b"X-Pad: " + b"a" * (64 << 10))
+            assert big.recv(100).startswith(b"HTTP/1.0 431")
+        # the slow ones are closed after the timeout (EOF on ours), with no answer
+        deadline = time.monotonic() + 10
+        s = stalled[-1]
+        s.settimeout(max(0.1, deadline - time.monotonic()))
+        assert s.recv(100) == b""
+        assert urllib.request.urlopen(m.url, timeout=5).read()  # and scrapes go on
+    finally:
+        for s in stalled:
+            s.close()
+        m.close()
