@@ -245,3 +245,44 @@ def test_token_cli_creates_lists_and_refuses_bad_input(tmp_path):
         assert res.returncode != 0 and "Traceback" not in res.stderr, (bad, res.stderr)
     res = subprocess.run([*cli, "revoke", path, "nobody"], capture_output=True, text=True)
     assert res.returncode != 0 and "no token named nobody" in res.stderr
+
+
+def test_a_writer_token_saves_and_loads_its_jobs_dcp_checkpoint(tmp_path, meta_server):
+    """Through the service with scoped tokens: a writer of job A saves and loads a DCP
+    checkpoint of job A, and cannot save into job B (PermissionError, nothing published);
+    a reader of job A loads it and cannot save."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from fusefs.client.registry import close_volumes
+    from fusefs.dcp import CkptfsReader, CkptfsWriter
+
+    path = str(tmp_path / "vol")
+    vol = Volume.create(path, nodes=2)
+    urls = {}
+    for name, role in (("writer", "writer"), ("reader", "reader")):
+        tok = tmp_path / f"{name}.token"
+        tok.write_text(vol.meta.create_token(f"{name}-a", role, ["job-a"]) + "\n")
+        tok.chmod(0o600)
+        urls[name] = tok
+    vol.close()
+    server = meta_server(path)
+    url = {k: f"ckptfs://{server.address}?token_file={v}" for k, v in urls.items()}
+    state = {"w": torch.arange(4096, dtype=torch.float32), "b": torch.ones(7)}
+    try:
+        dcp.save(state, storage_writer=CkptfsWriter(url["writer"], "job-a/step-1", staging=False))
+        for who in ("writer", "reader"):
+            out = {"w": torch.zeros(4096), "b": torch.zeros(7)}
+            dcp.load(out, storage_reader=CkptfsReader(url[who], "job-a/step-1"))
+            assert all(torch.equal(out[k], state[k]) for k in state), who
+        for who, target in (("writer", "job-b/step-1"), ("reader", "job-a/step-2")):
+            with pytest.raises(BaseException) as e:  # DCP's CheckpointException is one
+                dcp.save(state, storage_writer=CkptfsWriter(url[who], target, staging=False))
+            text = str(e.value)
+            assert "PermissionError" in text and "(token " in text, (who, text[-400:])
+    finally:
+        close_volumes()
+    admin = connect(server.url)
+    assert admin.latest("job-a") == 1
+    assert admin.latest("job-b") is None and admin.step_state("job-a", 1)["state"] == "published"
+    admin.close()

@@ -48,6 +48,7 @@ from fusefs.dcp.envelope import (
 from fusefs.dcp.registry import (
     METADATA_FILE,
     CkptfsError,
+    meta_failure,
     new_id,
     norm_path,
     volume_spec,
@@ -116,7 +117,7 @@ class CkptfsReader(StorageReader):
         try:
             return self._read_metadata(kwargs.get("rank"))
         except MetaError as e:
-            raise CkptfsError(f"reading {self.path}: {e} (errno {e.errno})") from None
+            raise meta_failure(f"reading {self.path}: {e} (errno {e.errno})", e) from None
 
     def _read_metadata(self, rank: int | None) -> Metadata:
         name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
@@ -150,7 +151,7 @@ class CkptfsReader(StorageReader):
         try:
             self._read_all(plan, planner)
         except MetaError as e:  # MetaError does not unpickle: DCP gathers errors across ranks
-            raise CkptfsError(f"reading {self.path}: {e} (errno {e.errno})") from None
+            raise meta_failure(f"reading {self.path}: {e} (errno {e.errno})", e) from None
         fut: Future = Future()
         fut.set_result(None)
         return fut

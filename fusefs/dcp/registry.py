@@ -3,6 +3,7 @@ and their exit-time drain are fusefs.client.registry's (shared with the fsspec f
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -21,6 +22,15 @@ _STEP_RE = re.compile(r"(\d+)$")
 
 class CkptfsError(RuntimeError):
     """A checkpoint-level problem a user can act on (bad path, step already used...)."""
+
+
+def meta_failure(text: str, e: Exception) -> Exception:
+    """A metadata refusal as the DCP backend raises it (MetaError does not unpickle, and
+    DCP gathers errors across ranks): what a credential's scope does not allow (EACCES)
+    as PermissionError, anything else as CkptfsError."""
+    if getattr(e, "errno", None) == errno.EACCES:
+        return PermissionError(errno.EACCES, text)
+    return CkptfsError(text)
 
 
 def new_id() -> str:

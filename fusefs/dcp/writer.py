@@ -65,6 +65,7 @@ from fusefs.dcp.envelope import address, save_tensor
 from fusefs.dcp.registry import (
     METADATA_FILE,
     CkptfsError,
+    meta_failure,
     new_id,
     norm_path,
     parse_ckpt_path,
@@ -196,7 +197,7 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
                 self.job, self.step, len(plans), path=self.path, deadline_s=self.deadline_s
             )
         except MetaError as e:
-            raise CkptfsError(f"cannot start {self.job} step {self.step}: {e}") from e
+            raise meta_failure(f"cannot start {self.job} step {self.step}: {e}", e) from e
         if info["state"] != "open" or info["committed"]:
             raise CkptfsError(
                 f"{self.job} step {self.step} is {info['state']} "
@@ -270,7 +271,7 @@ class CkptfsWriter(StorageWriter, BlockingAsyncStager):
             yield
         except MetaError as e:
             self._abort(f"{who} failed in {where}: {e}")
-            raise CkptfsError(f"{who}: {e} (errno {e.errno})") from None
+            raise meta_failure(f"{who}: {e} (errno {e.errno})", e) from None
         except BaseException as e:
             self._abort(f"{who} failed in {where}: {e!r}")
             raise
