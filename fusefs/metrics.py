@@ -310,6 +310,16 @@ class ServiceCollector(Collector):
             "Connections dropped waiting for their hello",
             svc.stats["hello_evictions"],
         )
+        yield _counter(
+            "meta_refused",
+            "Requests a credential's role or scope does not allow (EACCES), or a reused key",
+            svc.stats["refused_scope"],
+        )
+        yield _counter(
+            "meta_admin_calls",
+            "Requests that need the admin role, made by an admin credential",
+            svc.stats["admin_calls"],
+        )
 
 
 def _histogram(name: str, doc: str, h: Any) -> HistogramMetricFamily:

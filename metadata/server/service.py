@@ -746,6 +746,8 @@ class MetaService:
         try:
             result = await self._dispatch(method, args, kwargs, key, slot.binding)
         except KeyReused as e:
+            self.stats["refused_scope"] += 1
+            log.warning("refused: %s", e)
             if key is not None and self._idem.get(key) is slot:
                 self._idem.pop(key)  # not the key's outcome: its own caller's retry runs
             slot.set(error=e)
