@@ -11,11 +11,14 @@ of every answer between two threads were over half of the client's CPU (its
 restart cost: thousands of ranks at once).
 
 Replicas and failover. A URL may list several service replicas (sharing one
-PostgreSQL database). The client talks to one at a time. When it cannot open
-a connection (refused, timed out, reset, or closed during the handshake) it
-goes on with the next replica; when an open connection breaks (reset, the
-service killed, TCP keepalive finding the host gone) it starts with the next
-replica after the one it lost. A round over every replica that finds none is
+PostgreSQL database). The client talks to one at a time. Connection attempts
+are raced (the next replica STAGGER seconds after one that has not said hello:
+a hung replica costs a new client 0.25 s, not the handshake timeout). When an
+open connection breaks (reset, the service killed, TCP keepalive finding the
+host gone), or a watchdog finds it silent (a ping unanswered while requests are
+pending: the process hung) or a request past its deadline (`allowance`: the
+replica is stuck in a database call), it starts with the next replica after the
+one it left. A round over every replica that finds none is
 followed by a jittered exponential backoff, and so on until the retry window
 (`retry=`, default 60 s) runs out for a request: the caller sees no error
 while any replica answers within it. After a reconnect every unanswered
@@ -794,8 +797,8 @@ class RemoteEngine(MetaEngine):
     def _leave(self, sock: socket.socket | TlsSocket, why: str) -> None:
         """Break the connection (the reader reconnects): the watchdog's verdict."""
         with self._lock:
-            if self._sock is not sock:
-                return
+            if self._sock is not sock or (self._broken is not None and self._broken[0] is sock):
+                return  # gone already, or left already
             self._broken = (sock, why)
             self.hangs += 1
         try:
