@@ -347,3 +347,66 @@ def test_new_backup_numbers_follow_the_clock_not_a_node(tmp_path):
     scan = bk.Scan(backups=[{"id": 0xFFFFFFFE}, {"id": 1000}], numbers={0xFFFFFFFE, 1000, 2000})
     assert bk.new_number(scan, now=2000) == 2001  # taken numbers skipped, far claims ignored
     assert bk.new_number(bk.Scan(backups=[{"id": 2005}]), now=2000) == 2006  # near: followed
+
+
+# -- issue 40 (C): authenticated backups ------------------------------------------------
+def test_a_forged_backup_does_not_verify_and_restore_refuses_it(tmp_path):
+    """A backup planted on one node (a well-formed manifest and dump of the attacker's)
+    is listed as not verifying, skipped by a keyed restore, and refused when named."""
+    from tests.test_dump import _plant, _raw_records
+
+    nodes = _node_urls(tmp_path)
+    args = [a for u in nodes for a in ("--node", u)]
+    vol_dir = str(tmp_path / "vol")
+    ckptfs("format", vol_dir, *args)
+    src = tmp_path / "src"
+    src.write_bytes(b"the real file\n")
+    ckptfs("put", vol_dir, str(src), "/f")
+    made = ckptfs("meta", "backup-key", vol_dir).stdout
+    assert "backup key" in made and "copy it off" in made
+    key_file = tmp_path / "offhost.key"  # the operator's copy
+    shutil.copy(os.path.join(vol_dir, bk.KEY_FILE), key_file)
+    assert oct(os.stat(os.path.join(vol_dir, bk.KEY_FILE)).st_mode & 0o777) == "0o600"
+    real = json.loads(ckptfs("meta", "backup", vol_dir, "--json").stdout)
+    assert real["mac"] and real["key_id"]
+    # the forgery: a dump of the attacker's choosing (here the real one) under a newer
+    # number, with a manifest copied from the real one, its MAC and key id included
+    with Volume.open(vol_dir) as vol:
+        records = _raw_records(bk.backup_stream(vol.store.nodes, real).read())
+    forged_id = real["id"] + 1000
+    _plant(nodes[1], "n1", real, records, forged_id)
+    shutil.rmtree(vol_dir)
+
+    listed = ckptfs("meta", "backups", *args, "--key", str(key_file)).stdout
+    rows = {line.split()[0]: line for line in listed.splitlines()[1:] if line.strip()}
+    assert " yes " in rows[str(real["id"])] and " NO " in rows[str(forged_id)]
+    proc = ckptfs("meta", "restore", str(tmp_path / "x"), *args, "--key", str(key_file),
+                  "--backup", str(forged_id), check=False)  # fmt: skip
+    assert proc.returncode == 1 and f"backup {forged_id} does not verify" in proc.stderr
+    assert proc.stderr.count("\n") == 1
+    new = str(tmp_path / "new")
+    rep = json.loads(ckptfs("meta", "restore", new, *args, "--key", str(key_file), "--json").stdout)
+    assert rep["backup"] == real["id"] and rep["verified"]
+    with Volume.open(new) as v:
+        assert v.read_file("/f") == b"the real file\n"
+    # another volume's key verifies nothing
+    other = tmp_path / "other.key"
+    other.write_text(os.urandom(32).hex() + "\n")
+    proc = ckptfs("meta", "restore", str(tmp_path / "y"), *args, "--key", str(other), check=False)
+    assert proc.returncode == 1 and "no backup on these nodes verifies" in proc.stderr
+
+
+def test_the_key_is_never_in_the_backup(tmp_path):
+    vol = Volume.create(str(tmp_path / "vol"), nodes=_node_urls(tmp_path))
+    vol.write_file("/x", b"x")
+    m = bk.create_backup(vol)  # a SQLite volume makes its key at its first backup
+    key = bk.read_key(os.path.join(vol.base_dir, bk.KEY_FILE))
+    assert bk.verify(m, key)
+    dump = bk.backup_stream(vol.store.nodes, m).read()
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().stream_reader(dump).read()
+    assert key.hex().encode() not in raw and key not in raw
+    tampered = {**m, "files": m["files"] + 1}
+    assert not bk.verify(tampered, key)
+    vol.close()

@@ -59,6 +59,9 @@ def cmd_backups(args: argparse.Namespace) -> int:
         for n in nodes:
             n.close()
     found = scan.backups
+    key = bk.read_key(args.key) if args.key else None
+    for m in found:
+        m["verified"] = bk.verify(m, key) if key is not None else None
     for p in scan.problems:  # planted or damaged objects: named, skipped
         print(
             f"ckptfs: warning: backup object {p['object']} skipped: {shown(p['problem'])}",
@@ -71,15 +74,22 @@ def cmd_backups(args: argparse.Namespace) -> int:
         print("no backups on these nodes")
         _print_problems(scan.problems)
         return 0
-    print(f"{'ID':>12} {'CREATED':20} {'SIZE':>10} {'FILES':>9} {'CHECKPOINTS':>11}  VOLUME")
+    print(
+        f"{'ID':>12} {'CREATED':20} {'SIZE':>10} {'FILES':>9} {'CHECKPOINTS':>11} "
+        f"{'VERIFIED':>8}  VOLUME"
+    )
     for m in found:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["created"]))
         print(
             f"{m['id']:>12} {when:20} {format_size(m['size']):>10} {m['files']:>9} "
-            f"{m['checkpoints']:>11}  {shown(str(m.get('volume')))}"
+            f"{m['checkpoints']:>11} {_verified(m['verified']):>8}  {shown(str(m.get('volume')))}"
         )
     _print_problems(scan.problems)
     return 0
+
+
+def _verified(v: bool | None) -> str:
+    return "?" if v is None else ("yes" if v else "NO")
 
 
 def _print_problems(problems: list[dict]) -> None:
@@ -97,8 +107,15 @@ def _nodes(urls: list[str]) -> list:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
+    if not args.key and not args.no_verify:
+        print(
+            "ckptfs: warning: restoring without --key: the backup is not verified (whoever "
+            "can write a node can forge one); give --key FILE, the volume's backup.key",
+            file=sys.stderr,
+        )
     try:
-        rep = bk.restore(args.new_volume, args.node, backup=args.backup, db=args.db)
+        key = bk.read_key(args.key) if args.key else None
+        rep = bk.restore(args.new_volume, args.node, backup=args.backup, db=args.db, key=key)
     except bk.BackupError as e:
         raise _user_error(str(e)) from None
     if args.json:
@@ -117,6 +134,23 @@ def cmd_restore(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    return 0
+
+
+def cmd_backup_key(args: argparse.Namespace) -> int:
+    path = os.path.abspath(_local(args.volume))
+    if not os.path.exists(os.path.join(path, VOLUME_FILE)):
+        raise _user_error(f"{path} is not a volume directory")
+    try:
+        kpath, made = bk.make_key(path)
+        kid = bk.key_id(bk.read_key(kpath))
+    except (OSError, bk.BackupError) as e:
+        raise _user_error(str(e)) from None
+    print(
+        f"{'made' if made else 'have'} the backup key {shown(kpath)} (id {kid}): copy it off "
+        "this host (restore --key needs it after the volume is lost) and into the volume "
+        "directory of every service replica"
+    )
     return 0
 
 
@@ -188,6 +222,7 @@ def register_meta(msub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_backup)
     ls = msub.add_parser("backups", help="list the backups found on object nodes")
     ls.add_argument("--node", action="append", required=True, metavar="URL")
+    ls.add_argument("--key", default=None, metavar="FILE", help="show which backups verify")
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_backups)
     r = msub.add_parser("restore", help="rebuild a volume from a backup on its nodes")
@@ -196,6 +231,10 @@ def register_meta(msub: argparse._SubParsersAction) -> None:
                    help="the volume's nodes, in its order (repeat)")  # fmt: skip
     r.add_argument("--backup", type=int, default=None, metavar="ID", help="default: newest")
     r.add_argument("--db", default=None, metavar="URL", help="postgresql://... (default SQLite)")
+    r.add_argument("--key", default=None, metavar="FILE",
+                   help="the volume's backup key: restore only a backup that verifies")  # fmt: skip
+    r.add_argument("--no-verify", action="store_true",
+                   help="restore without a key (trusts whatever the nodes hold)")  # fmt: skip
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_restore)
     d = msub.add_parser("dump", help="write the metadata to a file (engine-independent)")
@@ -209,3 +248,6 @@ def register_meta(msub: argparse._SubParsersAction) -> None:
     lo.add_argument("--node", action="append", default=None, metavar="URL",
                     help="use these nodes instead of the dump's (repeat)")  # fmt: skip
     lo.set_defaults(func=cmd_load)
+    k = msub.add_parser("backup-key", help="make (if missing) and show the backup key")
+    k.add_argument("volume", metavar="VOLUME")
+    k.set_defaults(func=cmd_backup_key)

@@ -39,6 +39,8 @@ depend on it); node credentials are never in the config, so never in a backup.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import io
 import json
 import logging
@@ -105,6 +107,91 @@ def parse_id(cid: bytes) -> tuple[int, int]:
     return _NUMS.unpack(cid[8:16])
 
 
+# -- the backup key -------------------------------------------------------------------
+# Backups are authenticated with a key the nodes never hold: KEY_FILE in the volume
+# directory (0600), never in the database (whose config table is dumped onto the nodes).
+# A manifest carries an HMAC-SHA256 under it over its whole content, which names every
+# piece's BLAKE2b-256 (xxh3 catches damage, not forgery), so a backup planted on a node,
+# or one whose pieces were swapped, does not verify. The operator copies the key off the
+# host (a restore is after losing it); the replicas of a PostgreSQL volume each need the
+# copy in their own volume directory (`ckptfs meta backup-key` shows its fingerprint).
+KEY_FILE = "backup.key"
+_MAC_CONTEXT = b"ckptfs-backup-manifest-v1\0"
+
+
+def key_path(vol_dir: str) -> str:
+    return os.path.join(vol_dir, KEY_FILE)
+
+
+def make_key(vol_dir: str) -> tuple[str, bool]:
+    """The volume's backup key, made (32 random bytes, hex, 0600) if missing: (path,
+    whether it was made now). Never replaces one: backups already signed need it."""
+    path = key_path(vol_dir)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        read_key(path)  # a file that is not a key is an error, not a key kept
+        return path, False
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return path, True
+
+
+def read_key(path: str) -> bytes:
+    try:
+        with open(path) as f:
+            text = f.read(200).strip()
+        key = bytes.fromhex(text)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise BackupError(f"cannot read the backup key {path}: {why}") from None
+    if len(key) < 16:
+        raise BackupError(f"{path} is not a backup key (too short)")
+    return key
+
+
+def key_id(key: bytes) -> str:
+    """A key's fingerprint (shown, and written in the manifests it signs)."""
+    return hashlib.sha256(b"ckptfs-backup-key-id\0" + key).hexdigest()[:16]
+
+
+def _mac(manifest: dict, key: bytes) -> str:
+    body = {k: v for k, v in manifest.items() if k != "mac"}
+    payload = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, _MAC_CONTEXT + payload, hashlib.sha256).hexdigest()
+
+
+def verify(manifest: dict, key: bytes) -> bool:
+    """Does the manifest carry a MAC by this key (and so, every piece's BLAKE2b)?"""
+    mac = manifest.get("mac")
+    if not isinstance(mac, str) or manifest.get("key_id") != key_id(key):
+        return False
+    if not all(isinstance(p.get("b2"), str) for p in manifest["pieces"]):
+        return False
+    return hmac.compare_digest(mac, _mac(manifest, key))
+
+
+def volume_key(vol: Any) -> bytes | None:
+    """The key of an open volume's directory: made at its first backup if it has none
+    and its metadata is its own SQLite file (PostgreSQL replicas would each make a
+    different one: there the operator runs `ckptfs meta backup-key` and copies it)."""
+    base = getattr(vol, "base_dir", None)
+    if not base:
+        return None
+    path = key_path(base)
+    if not os.path.exists(path):
+        if type(vol.meta).__name__ != "SqliteEngine":
+            log.warning(
+                "no backup key in %s: backups are not signed (ckptfs meta backup-key)", base
+            )
+            return None
+        make_key(base)
+        log.info("made the backup key %s: copy it off this host", path)
+    return read_key(path)
+
+
 # -- writing --------------------------------------------------------------------------
 class _PieceWriter(io.RawIOBase):
     """A file-like the dump writes into: every PIECE_SIZE bytes become one object."""
@@ -136,13 +223,20 @@ class _PieceWriter(io.RawIOBase):
         if i >= MANIFEST_PIECE:
             raise BackupError("backup too large")
         self.store.put_encoded(backup_id(self.number, i), codec.encode(data, "none"))
-        self.pieces.append({"len": len(data), "xxh128": xxhash.xxh3_128_hexdigest(data)})
+        self.pieces.append(
+            {
+                "len": len(data),
+                "xxh128": xxhash.xxh3_128_hexdigest(data),
+                "b2": hashlib.blake2b(data, digest_size=32).hexdigest(),
+            }
+        )
 
 
 def create_backup(vol: Any, *, keep: int | None = None, piece_size: int = PIECE_SIZE) -> dict:
     """Back the volume's metadata up onto its nodes; drop all but the newest `keep`
     (default: the volume's `backup_keep`). Returns the manifest."""
     settings = backup_settings(vol.meta)
+    key = volume_key(vol)
     keep = settings["keep"] if keep is None else keep
     if keep < 1:
         raise BackupError("backup_keep must be at least 1")
@@ -169,10 +263,19 @@ def create_backup(vol: Any, *, keep: int | None = None, piece_size: int = PIECE_
         "chunks": counts["rows"].get("chunks", 0),
         "seconds": round(time.monotonic() - t0, 3),
     }
+    if key is not None:
+        manifest["key_id"] = key_id(key)
+        manifest["mac"] = _mac(manifest, key)
     body = json.dumps(manifest, sort_keys=True).encode()
     vol.store.put_encoded(backup_id(number, MANIFEST_PIECE), codec.encode(body, "none"))
     older = sorted(  # (a number ahead of ours is a clock's mistake or a plant: left be)
-        [m for m in existing if m.get("volume") == manifest["volume"] and m["id"] < number],
+        [
+            m
+            for m in existing
+            if m.get("volume") == manifest["volume"]
+            and m["id"] < number
+            and (key is None or verify(m, key))  # a signed volume counts only its own
+        ],
         key=lambda m: m["id"],
     )
     for m in older[: max(0, len(older) + 1 - keep)]:
@@ -323,6 +426,7 @@ def check_manifest(m: Any, number: int) -> dict:
             and isinstance(p.get("xxh128"), str)
             and len(p["xxh128"]) == 32
             and set(p["xxh128"]) <= _HEX32
+            and (p.get("b2") is None or isinstance(p["b2"], str))
         ):
             raise BackupError("the manifest lists a malformed piece")
     if sum(p["len"] for p in pieces) != m["size"]:
@@ -336,7 +440,9 @@ def check_manifest(m: Any, number: int) -> dict:
     return m
 
 
-def _read_object(nodes: Sequence[ObjectNode], cid: bytes, digest: str | None = None) -> bytes:
+def _read_object(
+    nodes: Sequence[ObjectNode], cid: bytes, digest: str | None = None, b2: str | None = None
+) -> bytes:
     """A backup object from the first node with a good copy (codec checksum, and the
     manifest's digest for a piece)."""
     reasons = []
@@ -353,7 +459,9 @@ def _read_object(nodes: Sequence[ObjectNode], cid: bytes, digest: str | None = N
         except (codec.ChunkFormatError, ValueError) as e:
             reasons.append(f"{node.name}: {e}")
             continue
-        if digest is not None and xxhash.xxh3_128_hexdigest(raw) != digest:
+        if (digest is not None and xxhash.xxh3_128_hexdigest(raw) != digest) or (
+            b2 is not None and hashlib.blake2b(raw, digest_size=32).hexdigest() != b2
+        ):
             reasons.append(f"{node.name}: content does not match the manifest")
             continue
         return raw
@@ -384,7 +492,7 @@ class _PieceReader(io.RawIOBase):
                 return 0
             p = self.m["pieces"][self.i]
             self.cur = memoryview(
-                _read_object(self.nodes, backup_id(self.m["id"], self.i), p["xxh128"])
+                _read_object(self.nodes, backup_id(self.m["id"], self.i), p["xxh128"], p.get("b2"))
             )
             self.i += 1
         n = min(len(b), len(self.cur))
@@ -547,6 +655,7 @@ class RestoreReport:
     chunks: int = 0
     missing_chunks: list[str] = field(default_factory=list)  # named, on no node
     seconds: float = 0.0
+    verified: bool = False  # its manifest's MAC checked with the key given
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -574,16 +683,53 @@ def open_nodes(urls: Sequence[str], manifest: dict | None = None) -> list[Object
     return [open_node(i) for i in node_infos(urls, manifest)]
 
 
-def choose(backups: list[dict], wanted: int | None) -> dict:
+def choose(
+    backups: list[dict],
+    wanted: int | None,
+    key: bytes | None = None,
+    nodes: Sequence[ObjectNode] | None = None,
+) -> dict:
+    """The backup to restore: `wanted`, or the newest. With a key, only one that verifies
+    (a named one that does not is refused, naming it), and of those the newest whose
+    manifest is present and identical on R nodes (the volume's replicas), if any is."""
     if not backups:
         raise BackupError("no backup found on these nodes")
-    if wanted is None:
+    if wanted is not None:
+        m = next((m for m in backups if m["id"] == wanted), None)
+        if m is None:
+            have = ", ".join(str(m["id"]) for m in backups)
+            raise BackupError(f"no backup {wanted} on these nodes (have {have})")
+        if key is not None and not verify(m, key):
+            raise BackupError(
+                f"backup {wanted} does not verify with this key (forged, damaged, or signed "
+                "by another volume's key): refused"
+            )
+        return m
+    if key is None:
         return backups[-1]
-    for m in backups:
-        if m["id"] == wanted:
-            return m
-    have = ", ".join(str(m["id"]) for m in backups)
-    raise BackupError(f"no backup {wanted} on these nodes (have {have})")
+    good = [m for m in backups if verify(m, key)]
+    if not good:
+        bad = ", ".join(str(m["id"]) for m in backups)
+        raise BackupError(f"no backup on these nodes verifies with this key (found {bad})")
+    if nodes:
+        for m in reversed(good):
+            want = min(max(1, int(m.get("replicas", 1))), len(nodes))
+            if _copies(nodes, m["id"]) >= want:
+                return m
+        log.warning("no verified backup is on R nodes alike: the newest verified one is used")
+    return good[-1]
+
+
+def _copies(nodes: Sequence[ObjectNode], number: int) -> int:
+    """On how many nodes the backup's manifest is present, the same as the first good one."""
+    cid = backup_id(number, MANIFEST_PIECE)
+    bodies = []
+    for node in nodes:
+        try:
+            bodies.append(codec.decode(node.get(cid)))
+        except (NodeError, codec.ChunkFormatError, ValueError):
+            continue
+    return max((bodies.count(b) for b in bodies), default=0)
 
 
 def restore(
@@ -592,26 +738,29 @@ def restore(
     *,
     backup: int | None = None,
     db: str | None = None,
+    key: bytes | None = None,
 ) -> RestoreReport:
     """Rebuild a volume at `path` from a backup on these nodes (the newest, or `backup`).
 
     The new volume's nodes are the given URLs. Chunks the backup names that no node holds
     are reported (fsck shows them as dangling extents); objects on the nodes that the
-    backup does not name are left alone (gc deletes them after its grace period)."""
+    backup does not name are left alone (gc deletes them after its grace period). With
+    `key` (the volume's backup key), only a backup that verifies is restored (choose);
+    without, any (the caller said so: the CLI asks for --key or --no-verify)."""
     t0 = time.monotonic()
     path = os.path.abspath(path)
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise BackupError(f"{path} already holds a volume")
     probe = open_nodes(node_urls)
     try:
-        m = choose(list_backups(probe), backup)
+        m = choose(list_backups(probe), backup, key, probe)
     finally:
         for n in probe:
             n.close()
     infos = node_infos(node_urls, m)
     nodes = [open_node(i) for i in infos]
     meta_url = db or "sqlite:meta.db"
-    rep = RestoreReport(backup=m["id"], path=path)
+    rep = RestoreReport(backup=m["id"], path=path, verified=key is not None)
 
     def new_config(cfg: dict) -> dict:
         cfg = dict(cfg)
