@@ -250,7 +250,8 @@ def _every_family() -> dict[str, str]:
     counters = ServiceStats()
     counters.reply("lookup", None)
     svc = SimpleNamespace(counters=counters, connections=0,
-                          stats={"bad_clients": 0, "hello_evictions": 0})  # fmt: skip
+                          stats={"bad_clients": 0, "hello_evictions": 0, "refused_scope": 0,
+                                 "admin_calls": 0})  # fmt: skip
     mount = MountCollector()
     mount.attach(fs)
     out = {}
