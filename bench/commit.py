@@ -116,7 +116,7 @@ def worker(
     asks = client.encode_many(
         [("missing_chunks", ([c[0] for f in files[r] for c in CHK.iter_unpack(f["new_chunks"])],),
           {}) for r in ranks]
-    )  # fmt: skip
+    ) if leases else []  # fmt: skip
     commits = client.encode_many(payload)
     manifests = client.encode_many([("manifest", (job, step), {"rank": r}) for r in ranks])
     barrier.wait()
