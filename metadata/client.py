@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import queue
 import random
@@ -53,10 +52,10 @@ import threading
 import time
 from concurrent.futures import Future
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from metadata.ckptformat import pack_files
 from metadata.engine import MetaEngine, MetaError
+from metadata.wire.dial import CONNECT_TIMEOUT, _Attempt, _check_hello, _keepalive
 from metadata.wire.protocol import (
     MAX_FRAME,
     MUTATING_METHODS,
@@ -68,15 +67,18 @@ from metadata.wire.protocol import (
     encode_frame,
 )
 from metadata.wire.tls import TlsSocket, client_context, describe_tls_error
+from metadata.wire.url import (
+    _UNREACHABLE,
+    check_retry,
+    parse_url,
+    resolve_token,
+)
 
 log = logging.getLogger("ckptfs.meta")
 
-CONNECT_TIMEOUT = 5.0  # seconds to open one connection (TCP and handshake)
 STAGGER = 0.25  # seconds before racing the next replica while one has not said hello
 DEFAULT_RETRY = 60.0  # seconds a request is retried, over every replica, before it fails
-MAX_RETRY = 600.0  # the most `retry=` may ask: services keep request ids far longer
 BACKOFF_MIN, BACKOFF_MAX = 0.05, 2.0  # pause after a round over the replicas found none
-KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, probes: a vanished host in ~11 s
 PERMANENT = (errno.EACCES, errno.EPROTO)  # refusals another replica would repeat
 CALL_TIMEOUT = 600.0
 SEND_SLICE = 256 << 10  # submit_many writes this much at a time
@@ -127,20 +129,6 @@ def allowance(method: str, args: Any, kwargs: Any, size: int) -> float:
     return base + size / DEADLINE_BYTES_PER_S
 
 
-def _keepalive(sock: socket.socket) -> None:
-    """TCP keepalive, so a connection whose host vanished (powered off, cut off the
-    network) breaks in seconds and the client fails over, instead of waiting forever
-    for an answer. The peer's kernel answers the probes: a busy service is not dead."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        idle, interval, count = KEEPALIVE
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
-    except (OSError, AttributeError):  # a platform without these options
-        pass
-
-
 def _result_fix(method: str, value: Any) -> Any:
     if method == "chunk_info":
         return {k: tuple(v) for k, v in value.items()}
@@ -176,241 +164,6 @@ def _call_args(frame: bytes, method: str) -> tuple[list, dict]:
         return list(msg[2]), dict(msg[3])
     except (ProtocolError, TypeError, ValueError, IndexError):
         return [], {}
-
-
-def _check_hello(body: bytes | memoryview) -> None:
-    """The service's answer to our hello: accepted, or MetaError with its reason."""
-    reply = decode(body)
-    if not isinstance(reply, dict) or not reply.get("ok"):
-        err = reply.get("errno", errno.EPROTO) if isinstance(reply, dict) else errno.EPROTO
-        msg = reply.get("error", "handshake refused") if isinstance(reply, dict) else "?"
-        raise MetaError(err, f"metadata service refused the connection: {msg}")
-
-
-class _Attempt:
-    """One plain-TCP connection attempt to replica `i` (RemoteEngine._race): a
-    non-blocking connect, then the hello and its answer, each step on a poll event.
-    Ends with `result` (a blocking socket, handshake done) or `error` (MetaError,
-    worded as `_open` words it)."""
-
-    def __init__(self, eng: RemoteEngine, i: int, hello: bytes, now: float) -> None:
-        self.i = i
-        self.where = eng._where(i)
-        self.started = now
-        self.deadline = now + CONNECT_TIMEOUT
-        self.out = hello
-        self.dec = FrameDecoder(eng.max_frame)
-        self.sock: socket.socket | None = None
-        self.connected = False
-        self.hello_sent = False
-        self.result: socket.socket | None = None
-        self.error: MetaError | None = None
-        host, port = eng.replicas[i]
-        try:
-            self.addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as e:
-            self.addrs = []
-            self._unreachable(e)
-            return
-        self._next_address(None)
-
-    def _unreachable(self, e: BaseException) -> None:
-        self.close()
-        self.error = MetaError(errno.ECONNREFUSED, f"{_UNREACHABLE}{self.where}: {e}")
-
-    def _handshake_failed(self, e: BaseException) -> None:
-        self.close()
-        self.error = MetaError(errno.ECONNRESET, f"handshake with {self.where}: {e}")
-
-    def _next_address(self, err: BaseException | None) -> None:
-        self.close()
-        while self.addrs:
-            family, kind, proto, _, addr = self.addrs.pop(0)
-            try:
-                sock = socket.socket(family, kind, proto)
-            except OSError as e:
-                err = e
-                continue
-            sock.setblocking(False)
-            rc = sock.connect_ex(addr)
-            if rc in (0, errno.EINPROGRESS):
-                self.sock = sock
-                self.connected = False
-                return
-            sock.close()
-            err = OSError(rc, os.strerror(rc))
-        self._unreachable(err or OSError("no address"))
-
-    def events(self) -> int:
-        return select.POLLOUT if not self.hello_sent else select.POLLIN
-
-    def on_event(self, ev: int) -> None:
-        sock = self.sock
-        assert sock is not None
-        if not self.hello_sent:
-            if not self.connected:
-                rc = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if rc:
-                    self._next_address(OSError(rc, os.strerror(rc)))
-                    return
-                self.connected = True
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                except OSError:
-                    pass
-                _keepalive(sock)
-            try:
-                sent = sock.send(self.out)
-            except BlockingIOError:
-                return
-            except OSError as e:
-                self._handshake_failed(e)
-                return
-            self.out = self.out[sent:]
-            self.hello_sent = not self.out
-            return
-        try:
-            data = sock.recv(65536)
-        except BlockingIOError:
-            return
-        except OSError as e:
-            self._handshake_failed(e)
-            return
-        if not data:
-            hint = " (a service with TLS? add ?ca=PATH or ?tls=1)"
-            self._handshake_failed(
-                ConnectionError(f"service closed the connection during the handshake{hint}")
-            )
-            return
-        try:
-            frames = self.dec.feed(data)
-            if not frames:
-                return
-            _check_hello(frames[0])
-            if frames[1:]:
-                raise ProtocolError("unexpected frames after the handshake")
-        except MetaError as e:
-            self.close()
-            self.error = e
-            return
-        except ProtocolError as e:
-            self._handshake_failed(e)
-            return
-        sock.setblocking(True)
-        self.result, self.sock = sock, None
-
-    def timed_out(self) -> None:
-        if self.connected:
-            self._handshake_failed(TimeoutError("timed out"))
-        else:
-            self._unreachable(TimeoutError("timed out"))
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-
-def resolve_token(params: dict[str, list[str]]) -> str:
-    files = params.get("token_file")
-    if files:
-        return _read_token(files[0])
-    if os.environ.get("CKPTFS_TOKEN"):
-        return os.environ["CKPTFS_TOKEN"].strip()
-    if os.environ.get("CKPTFS_TOKEN_FILE"):
-        return _read_token(os.environ["CKPTFS_TOKEN_FILE"])
-    raise MetaError(
-        errno.EACCES,
-        "no token for the metadata service: set CKPTFS_TOKEN or CKPTFS_TOKEN_FILE, "
-        "or add ?token_file=PATH to the ckptfs:// URL",
-    )
-
-
-def _read_token(path: str) -> str:
-    try:
-        return read_token_file(path)
-    except OSError as e:
-        raise MetaError(errno.EACCES, f"cannot read token file {path}: {e.strerror}") from None
-
-
-def token_file_too_open(path: str, mode: int) -> str | None:
-    """The one-line refusal for a token file group or others may access, else None.
-
-    As ssh with a private key: a token readable by other users on a shared host lets any
-    of them act as the volume's owner, maintenance calls included, and a writable one
-    lets them swap it. Refusing (rather than warning) is what makes the mistake visible
-    the first time, before a copied 0644 file spreads through job scripts."""
-    if mode & 0o077:
-        return (
-            f"token file {path} is accessible by group or others (mode {mode & 0o777:04o}): "
-            f"run chmod 600 {path}"
-        )
-    return None
-
-
-def read_token_file(path: str) -> str:
-    """A token file's token, refused (MetaError EACCES) if group or others may access it.
-
-    The mode is read from the open descriptor (fstat), so a file swapped between the
-    check and the read is not the one checked. OSError passes through to the caller."""
-    with open(path) as f:
-        refusal = token_file_too_open(path, os.fstat(f.fileno()).st_mode)
-        if refusal:
-            raise MetaError(errno.EACCES, refusal)
-        return f.read().strip()
-
-
-_UNREACHABLE = "cannot reach the metadata service at "
-_USAGE = "expected ckptfs://HOST:PORT[,HOST:PORT...][?OPTIONS]"
-
-
-def parse_url(spec: str) -> tuple[list[tuple[str, int]], dict[str, list[str]]]:
-    """The replicas (host, port) of a service URL, in order, and its query options."""
-    if not isinstance(spec, str):
-        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {_USAGE}")
-    try:
-        parts = urlsplit(spec)
-        params = parse_qs(parts.query)
-    except ValueError as e:
-        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {e} ({_USAGE})") from None
-    if parts.scheme != "ckptfs":
-        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {_USAGE}")
-    if "@" in parts.netloc or parts.path not in ("", "/") or parts.fragment:
-        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {_USAGE} (no user, path or #)")
-    replicas = [_host_port(spec, item) for item in parts.netloc.split(",")]
-    if len(set(replicas)) != len(replicas):
-        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: a replica is listed twice")
-    return replicas, params
-
-
-def _host_port(spec: str, item: str) -> tuple[str, int]:
-    """One `HOST:PORT` (or `[IPV6]:PORT`) of a URL's replica list."""
-    if item.startswith("["):
-        host, sep, port = item[1:].partition("]:")
-    else:
-        host, sep, port = item.rpartition(":")
-        if ":" in host:
-            sep = ""  # an IPv6 address without brackets: its port cannot be told apart
-    if not sep or not host or not port.isascii() or not port.isdigit():
-        what = f"replica {item!r}" if item else "an empty replica"
-        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: {what}: {_USAGE}")
-    if not 0 < int(port) < 65536:
-        raise MetaError(errno.EINVAL, f"bad service URL {spec!r}: port {port} out of range")
-    return host, int(port)
-
-
-def check_retry(value: Any) -> float:
-    """A retry window in seconds: a number in [0, MAX_RETRY] (0: one round, no waiting)."""
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        v = math.nan
-    if isinstance(value, bool) or not 0 <= v <= MAX_RETRY:
-        raise MetaError(
-            errno.EINVAL,
-            f"retry must be a number of seconds in [0, {MAX_RETRY:.0f}], not {value!r}",
-        )
-    return v
 
 
 def connect(spec: str, **kw: Any) -> RemoteEngine:

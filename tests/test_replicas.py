@@ -7,6 +7,7 @@ client is the real one, its URL listing the replicas.
 from __future__ import annotations
 
 import errno
+import os
 import stat
 import subprocess
 import sys
@@ -17,8 +18,9 @@ import pytest
 
 from fusefs.client.volume import Volume
 from metadata.ckptformat import unpack_extents
-from metadata.client import RemoteEngine, connect, resolve_token
+from metadata.client import RemoteEngine, connect
 from metadata.engine import ROOT_INO, Extent, MetaError, NewChunk
+from metadata.wire.url import resolve_token
 from tests.fixtures.postgres import free_port
 from tests.fixtures.service import ROOT
 from tests.test_checkpoints import FILES, rank_files
@@ -65,7 +67,7 @@ class LosesAnswers(RemoteEngine):
     request stays pending and is sent again, to the next replica (client.py)."""
 
     def __init__(self, url: str, lose: dict[str, int]) -> None:
-        from metadata.client import parse_url
+        from metadata.wire.url import parse_url
 
         replicas, params = parse_url(url)
         self.lose = dict(lose)
@@ -447,12 +449,25 @@ def test_a_replica_started_while_its_database_restarts_waits_for_it(tmp_path):
         assert "Traceback" not in done.stderr
 
         log = str(tmp_path / "meta.log")
-        back = threading.Timer(2.0, cluster.start)
+        said = threading.Event()
+
+        def back_once_waiting() -> None:
+            """The database comes back once the replica says it waits (its start-up,
+            imports included, may take longer than any fixed delay)."""
+            end = time.monotonic() + 60
+            while time.monotonic() < end:
+                if os.path.exists(log) and "waiting up to" in open(log).read():
+                    said.set()
+                    break
+                time.sleep(0.1)
+            time.sleep(1.0)
+            cluster.start()
+
+        back = threading.Thread(target=back_once_waiting)
         back.start()
-        t0 = time.monotonic()
         server = MetaServer(vol, db=url, log_path=log)  # waits for the "serving" line
         back.join()
-        assert time.monotonic() - t0 >= 1.5
+        assert said.is_set()
         with open(log) as f:
             assert f"waiting up to {DB_WAIT:g} s for PostgreSQL" in f.read()
         eng = connect(server.url)

@@ -560,7 +560,7 @@ def test_joined_manifest_slices_decode_as_one_list():
     (up to 15 items, up to 65,535, more)."""
     import msgspec
 
-    from metadata.server.service import _joined
+    from metadata.server.manifests import _joined
 
     enc = msgspec.msgpack.Encoder()
     for sizes in ([0], [3, 12], [15, 1], [16, 0, 5], [40000, 25535], [65535, 1], [70000, 3]):

@@ -174,17 +174,13 @@ class Cluster:
         self._run([f"{self.bin}/pg_ctl", "-D", self.data, "-m", "fast", "-w", "stop"], "stop")
 
     def ensure_db(self) -> None:
-        import psycopg
+        from metadata.engine import MetaError
+        from metadata.engines.postgres import ensure_database
 
-        admin = f"postgresql://postgres@127.0.0.1:{self.port()}/postgres"
         try:
-            with psycopg.connect(admin, autocommit=True, connect_timeout=10) as c:
-                found = c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DB_NAME,))
-                if found.fetchone() is None:
-                    c.execute(f"CREATE DATABASE {DB_NAME}")
-        except psycopg.Error as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise PgError(f"cannot create the {DB_NAME} database: {first}") from None
+            ensure_database(f"postgresql://postgres@127.0.0.1:{self.port()}/postgres", DB_NAME)
+        except MetaError as e:
+            raise PgError(str(e)) from None
 
 
 def cmd_postgres(args: argparse.Namespace) -> int:

@@ -14,10 +14,10 @@ from functools import partial
 from fusefs.cli.text import shown
 from fusefs.cli.units import format_size, parse_listen
 from fusefs.client.volume import VOLUME_FILE, VolumeError
-from metadata.client import read_token_file
 from metadata.engine import MetaEngine, MetaError
 from metadata.engines import DB_WAIT_S, open_engine
 from metadata.wire.protocol import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_FRAME
+from metadata.wire.url import read_token_file
 
 TOKEN_FILE = "meta.token"
 

@@ -201,6 +201,21 @@ def _connect_waiting(url: str, wait_s: float) -> psycopg.Connection:
             delay = min(delay * 2, 1.0)
 
 
+def ensure_database(admin_url: str, name: str) -> None:
+    """Create database `name` on the server `admin_url` reaches, unless it exists (`ckptfs
+    meta postgres`: the one place outside the engine that needs the driver, kept here so no
+    frontend imports it). `name` comes from the code; a failure is one line (MetaError)."""
+    if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", name):
+        raise MetaError(errno.EINVAL, f"not a database name this code makes: {name!r}")
+    try:
+        with psycopg.connect(admin_url, autocommit=True, connect_timeout=10) as c:
+            found = c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,))
+            if found.fetchone() is None:
+                c.execute(f"CREATE DATABASE {name}")
+    except psycopg.Error as e:
+        raise MetaError(errno.EIO, f"cannot create the {name} database: {_first_line(e)}") from None
+
+
 class _Conn:
     """What sqlbase expects of a connection (execute() returning a cursor, executemany()),
     over a psycopg connection that is opened again when the database restarts.

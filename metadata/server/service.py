@@ -54,12 +54,12 @@ import msgspec
 import trio
 
 from metadata.ckptcheck import manifest_ranks, no_durable_step
-from metadata.ckptformat import file_fields, pack_files
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.periodic import run_periodic
 from metadata.server.access import ACCESS_POLL_S, ADMIN, Access, Principal, request_binding
 from metadata.server.conn import Conn, Link, SocketLink, StreamLink
 from metadata.server.groupcommit import GroupCommit
+from metadata.server.manifests import encode_manifest, manifest_answer
 from metadata.server.readbatch import ReadBatcher
 from metadata.server.stats import ServiceStats
 from metadata.sql.requests import ONCE_METHODS, KeyReused
@@ -182,56 +182,6 @@ def _manifest_args(
     job: str, step: int, rank: int | None = None, ranks: list[int] | None = None
 ) -> tuple[str, int, list[int] | None]:
     return job, step, manifest_ranks(rank, ranks)
-
-
-_EMPTY = msgspec.Raw(b"\x90")  # an empty msgpack array
-
-
-def _array_items(raw: msgspec.Raw) -> tuple[int, memoryview]:
-    """A msgpack array's length and its encoded items (the bytes after its header)."""
-    mv = memoryview(raw)
-    b0 = mv[0]
-    if b0 & 0xF0 == 0x90:
-        return b0 & 0x0F, mv[1:]
-    if b0 == 0xDC:
-        return int.from_bytes(mv[1:3], "big"), mv[3:]
-    if b0 == 0xDD:
-        return int.from_bytes(mv[1:5], "big"), mv[5:]
-    raise ValueError(f"not a msgpack array (0x{b0:02x})")
-
-
-def _joined(arrays: list[msgspec.Raw]) -> msgspec.Raw:
-    """Encoded arrays joined into one encoded array, without decoding their items: the
-    answer to a host's manifest request is its ranks' slices put end to end."""
-    parts = [_array_items(a) for a in arrays]
-    n = sum(k for k, _ in parts)
-    if n < 16:
-        head = bytes([0x90 | n])
-    elif n < 2**16:
-        head = b"\xdc" + n.to_bytes(2, "big")
-    else:
-        head = b"\xdd" + n.to_bytes(4, "big")
-    return msgspec.Raw(b"".join([head, *(body for _, body in parts)]))
-
-
-def _encode_manifest(head: dict, files: dict[int, list]) -> tuple[dict, Any, dict]:
-    """The manifest encodings (whole, per rank) from the commits' own file lists, in
-    the order manifest_parts reads them: by rank, then by path bytes."""
-    enc = msgspec.msgpack.Encoder()
-    by_rank: dict[int, list[dict]] = {}
-    for rank in sorted(files):
-        rows = []
-        for f in pack_files(files[rank]):
-            p, size, ext, _ = file_fields(f)
-            raw = os.fsencode(p) if isinstance(p, str) else bytes(p)
-            rows.append((raw, int(size), bytes(ext)))
-        rows.sort(key=lambda r: r[0])
-        by_rank[rank] = [
-            {"path": os.fsdecode(p), "size": n, "rank": rank, "extents": ext} for p, n, ext in rows
-        ]
-    full = msgspec.Raw(enc.encode([f for r in by_rank for f in by_rank[r]]))
-    per = {r: msgspec.Raw(enc.encode(fs)) for r, fs in by_rank.items()}
-    return head, full, per
 
 
 class MetaService:
@@ -687,7 +637,7 @@ class MetaService:
         if entry is None or not entry.done or entry.error is not None:
             return False
         self.stats["inline"] += 1
-        slot.set(self._manifest_answer(entry.result, only))
+        slot.set(manifest_answer(entry.result, only))
         return True
 
     def _manifest_of(self, found: _Slot, job: str, only: list[int] | None, slot: _Slot) -> None:
@@ -890,7 +840,7 @@ class MetaService:
             head = {k: v for k, v in head.items() if k != "duplicate"}
             self._building += 1
             try:
-                parts = await trio.to_thread.run_sync(_encode_manifest, head, files)
+                parts = await trio.to_thread.run_sync(encode_manifest, head, files)
             except Exception:  # noqa: BLE001 - fall back to reading the step
                 log.exception("encoding the manifest of %s/%s from commits failed", job, step)
                 del self._manifests[key]
@@ -929,15 +879,4 @@ class MetaService:
                 self._building -= 1
             while len(self._manifests) > MANIFESTS_KEEP:
                 self._manifests.popitem(last=False)
-        return self._manifest_answer(await entry.get(), only)
-
-    @staticmethod
-    def _manifest_answer(parts: tuple, only: list[int] | None) -> dict:
-        """The whole step's files, or those of the ranks in `only` (checked by
-        manifest_ranks), from the encodings made once per step."""
-        head, full, per = parts
-        if only is None:
-            return {**head, "files": full}
-        if len(only) == 1:
-            return {**head, "files": per.get(only[0], _EMPTY)}
-        return {**head, "files": _joined([per.get(r, _EMPTY) for r in only])}
+        return manifest_answer(await entry.get(), only)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from metadata.sql.needs import SqlCore
+
 KEEP = 1 << 18  # records kept: a client this far behind drops its whole cache
 PRUNE_EVERY = 1 << 13  # the pruning trigger runs on every this-many-th record
 
@@ -56,13 +58,10 @@ POSTGRES_DDL = [
 ]
 
 
-class ChangeLogMixin:
+class ChangeLogMixin(SqlCore):
     """`changes_since` and the log's schema, on SqlEngine's connection and helpers."""
 
     CHANGES_DDL = SQLITE_DDL  # PostgresEngine: POSTGRES_DDL
-    _x: Any
-    _one: Any
-    _read: Any
 
     def _make_change_log(self, c: Any) -> None:
         """Create the log and its triggers (in a write transaction; idempotent)."""

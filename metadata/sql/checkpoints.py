@@ -49,6 +49,7 @@ from metadata.engine import (
     UnknownChunks,
     internal_error,
 )
+from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
 
 __all__ = [  # the packing helpers, importable from here as before
@@ -105,7 +106,7 @@ def _journal_rows(by_step: dict[tuple[str, int], list[tuple]]) -> list[tuple]:
 _BLOB = bytearray()  # its join() makes a bytearray
 
 
-class CheckpointMixin:
+class CheckpointMixin(SqlCore):
     """Checkpoint coordination on top of SqlEngine's connection and helpers."""
 
     _ckpt_ready = False

@@ -31,6 +31,7 @@ from metadata.engine import (
 )
 from metadata.sql.leases import check_ids
 from metadata.sql.namespace import ATTR_COLS, attr_of
+from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import CHUNK_GATE, retried
 
 
@@ -42,22 +43,8 @@ def _chunk_key(ch: NewChunk) -> bytes:
     return ch.chunk_id
 
 
-class ChunkRefMixin:
+class ChunkRefMixin(SqlCore):
     """Needs SqlEngine's `_tx`, `_read`, `_x`, `_one`, `_q`, `_blob` and `_chunk_seed`."""
-
-    _tx: Any
-    _read: Any
-    _x: Any
-    _one: Any
-    _q: Any
-    _blob: Any
-    _chunk_seed: Any
-    _lock_inodes: Any
-    _lock_named: Any
-    _skip_locked: str
-    _for_update: str
-    _refuse_doomed: Any
-    _grant_leases: Any
 
     def _release_extents(self, c: Any, ino: int) -> None:
         """Drop the references of an inode's extents (the caller rewrites or deletes the inode)."""

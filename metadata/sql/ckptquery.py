@@ -18,20 +18,14 @@ from metadata.engine import (
     MetaError,
 )
 from metadata.sql.checkpoints import PUBLISHED, STATE_NAMES, rank_ranges
+from metadata.sql.needs import SqlCore
 
 DURABLE_SEEN_MAX = 4096  # (job, step) pairs remembered as durable by latest_durable
 
 
-class CheckpointQueryMixin:
+class CheckpointQueryMixin(SqlCore):
     """Needs CheckpointMixin's `_ckpt_read`, `_brief`, `_step`, `_blobs`, `_file_rows`."""
 
-    _x: Any
-    _one: Any
-    _ckpt_read: Any
-    _brief: Any
-    _step: Any
-    _blobs: Any
-    _file_rows: Any
     expire: Any
     apply_pending: Any
 

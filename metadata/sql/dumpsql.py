@@ -12,6 +12,7 @@ from typing import Any
 
 from metadata.engine import MetaError
 from metadata.sql.dump import code_names
+from metadata.sql.needs import SqlCore
 
 
 class Snapshot:
@@ -53,16 +54,8 @@ class Loader:
             eng._bulk_insert(c, table, ", ".join(names), [tuple(r) for r in rows])
 
 
-class DumpSqlMixin:
+class DumpSqlMixin(SqlCore):
     """snapshot() and bulk_loader() for SqlEngine."""
-
-    _tx: Any
-    _x: Any
-    _one: Any
-    _ddl: Any
-    _ckpt_ddl: Any
-    _ensure_ur: Any
-    _lock_named: Any
 
     @contextmanager
     def snapshot(self) -> Iterator[Snapshot]:

@@ -49,6 +49,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from metadata.engine import MetaError
+from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import CHUNK_GATE, retried
 
 LEASE_TTL_S = 1800.0  # a writer renews every RENEW_EVERY_S (sink.py), well within it
@@ -77,16 +78,9 @@ def _in_parts(ids: list[bytes], n: int = 500) -> Iterable[tuple[list[bytearray],
         yield part, ",".join("?" * len(part))
 
 
-class LeaseMixin:
+class LeaseMixin(SqlCore):
     """Needs SqlEngine's `_tx`, `_x`, `_q`, `_one`, `_lock_named`, `_missing`, `_settle`."""
 
-    _tx: Any
-    _x: Any
-    _q: Any
-    _one: Any
-    _lock_named: Any
-    _missing: Any
-    _settle: Any
     lease_ttl_s: float = LEASE_TTL_S
 
     def _any_doomed(self, c: Any) -> bool:

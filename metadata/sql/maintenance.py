@@ -15,10 +15,11 @@ from typing import Any
 
 from metadata.ckptformat import blob_chunk_ids
 from metadata.engine import ChunkRow, check_new_chunks
+from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
 
 
-class MaintenanceMixin:
+class MaintenanceMixin(SqlCore):
     """Needs the SqlEngine helpers `_tx`, `_read`, `_x` and `_q`."""
 
     _ur_ready = False

@@ -26,6 +26,7 @@ from metadata.engine import (
     check_name,
     check_u32,
 )
+from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import RENAME_LOCK, retried
 
 ATTR_COLS = "ino, mode, nlink, uid, gid, size, atime, mtime, ctime, rdev, generation, alloc"
@@ -53,21 +54,9 @@ def attr_of(row: Any) -> Attr:
     return Attr(*row)
 
 
-class NamespaceMixin:
+class NamespaceMixin(SqlCore):
     """Needs SqlEngine's `_tx`, `_read`, `_x`, `_one`, `_getattr`, `_blob`, `_alloc_one_ino`
     and the chunk accounting (`_adjust_refs`, `_release_extents`)."""
-
-    _tx: Any
-    _read: Any
-    _x: Any
-    _one: Any
-    _getattr: Any
-    _blob: Any
-    _alloc_one_ino: Any
-    _adjust_refs: Any
-    _release_extents: Any
-    _lock_inodes: Any
-    _lock_named: Any
 
     def _lookup(self, c: Any, parent: int, name: bytes) -> Attr:
         row = self._one(c, _LOOKUP_SQL, (parent, name))

@@ -19,7 +19,7 @@ the answer in the claimed row and commits all of it together:
 
 An error is not recorded: a request that failed changed nothing, and its retry
 runs again. Keys are kept REQUEST_KEEP_S (the client retries for at most
-client.MAX_RETRY, well within it), then `prune_requests` deletes them.
+wire/url.py MAX_RETRY, well within it), then `prune_requests` deletes them.
 
 checkpoint commits (commit_rank) do not go through here: they are idempotent
 by content (the rank's digest, in the same transaction as its files), which
@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from metadata.engine import MetaError
+from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import SCHEMA_LOCK, retried
 from metadata.wire.protocol import decode, encode
 
@@ -64,15 +65,9 @@ _DDL = [
 ]
 
 
-class RequestMixin:
+class RequestMixin(SqlCore):
     """Needs SqlEngine's `_tx`, `_read`, `_x`, `_one`, `_lock_named`, `_blob_type`."""
 
-    _tx: Any
-    _x: Any
-    _one: Any
-    _lock_named: Any
-    _blob_type: Any
-    _has: Any
     _req_ready = False
 
     def _ensure_requests(self, c: Any) -> None:

@@ -20,24 +20,18 @@ from typing import Any
 from metadata.ckptcheck import check_int, check_job
 from metadata.engine import MetaError
 from metadata.sql.checkpoints import ABORTED, DELETED, OPEN, PUBLISHED
+from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import retried
 
 _POLICY_KEY = "retention:"
 
 
-class RetentionMixin:
+class RetentionMixin(SqlCore):
     """Mixed into SqlEngine after CheckpointMixin (uses its tables and `_step`)."""
 
-    _x: Any
-    _one: Any
-    _step: Any
     _ckpt_tx: Any
-    _ckpt_read: Any
     _touch_dir: Any
-    _release_extents: Any
     _subtree: Any
-    _lock_steps: Any
-    _lock_inodes: Any
 
     # -- deleting ------------------------------------------------------------
     @retried

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from metadata.engine import MetaError
+from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import retried
 
 ROLES = ("admin", "writer", "reader")
@@ -71,13 +72,8 @@ def normal_prefix(p: str) -> str:
     return "/" + "/".join(parts)
 
 
-class TokenMixin:
+class TokenMixin(SqlCore):
     """Needs SqlEngine's `_tx`, `_read`, `_x`, `_one`, `_q`."""
-
-    _tx: Any
-    _read: Any
-    _x: Any
-    _one: Any
 
     @retried
     def create_token(
