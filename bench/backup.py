@@ -159,7 +159,7 @@ def _commit_vs_backup(vol_dir: str, ranks: int, rounds: int) -> dict:
 
 def _child(argv: list[str]) -> None:
     """Run one step in this process; print its seconds and peak RSS."""
-    step, vol_dir, *nodes = argv
+    step, vol_dir, *nodes = argv  # restore: NEWVOL KEYFILE NODE...
     from fusefs.client.volume import Volume
     from fusefs.maint import backup as bk
 
@@ -170,7 +170,8 @@ def _child(argv: list[str]) -> None:
             m = bk.create_backup(vol)
         out = {"size": m["size"], "extents": m["extents"], "pieces": len(m["pieces"])}
     else:
-        rep = bk.restore(vol_dir, nodes)
+        key_file, *nodes = nodes
+        rep = bk.restore(vol_dir, nodes, key=bk.read_key(key_file))  # verified, as an operator's
         out = {"files": rep.files, "missing": len(rep.missing_chunks)}
     out["seconds"] = time.perf_counter() - t0
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -203,7 +204,8 @@ def main() -> None:
         _build(f"{tmp}/vol", nodes, args.files, args.extents_per_file)
         build_s = time.perf_counter() - t0
         b = _run("backup", f"{tmp}/vol")
-        r = _run("restore", f"{tmp}/restored", *nodes)
+        shutil.copy(f"{tmp}/vol/backup.key", f"{tmp}/backup.key")  # the off-host copy
+        r = _run("restore", f"{tmp}/restored", f"{tmp}/backup.key", *nodes)
         c = _commit_vs_backup(f"{tmp}/vol", args.ranks, args.rounds)
         extents = b["extents"]
         print(

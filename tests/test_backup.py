@@ -61,6 +61,13 @@ def _serves_the_same(tmp_path, new: str, files: dict[str, bytes], tag: str) -> d
     return target
 
 
+def _copy_key(tmp_path, vol_dir: str) -> str:
+    """The operator's copy of the volume's backup key, off the volume directory."""
+    dest = str(tmp_path / (os.path.basename(vol_dir) + ".backup.key"))
+    shutil.copy(os.path.join(vol_dir, bk.KEY_FILE), dest)
+    return dest
+
+
 def _populate(tmp_path, vol_dir: str, nodes: list[str]) -> dict[str, bytes]:
     """Files put with `ckptfs put` and a published single-process DCP checkpoint."""
     ckptfs("format", vol_dir, *[a for u in nodes for a in ("--node", u)])
@@ -85,6 +92,7 @@ def test_backup_delete_volume_restore_from_nodes(tmp_path):
     files = _populate(tmp_path, vol_dir, nodes)
     out = json.loads(ckptfs("meta", "backup", vol_dir, "--json").stdout)
     assert out["files"] >= 3 and out["checkpoints"] == 1
+    key = _copy_key(tmp_path, vol_dir)
 
     shutil.rmtree(vol_dir)  # the volume directory, not the nodes
     listed = json.loads(ckptfs("meta", "backups", *[a for u in nodes for a in ("--node", u)],
@@ -92,8 +100,10 @@ def test_backup_delete_volume_restore_from_nodes(tmp_path):
     assert [m["id"] for m in listed] == [out["id"]]
 
     new = str(tmp_path / "restored")
-    rep = ckptfs("meta", "restore", new, *[a for u in nodes for a in ("--node", u)], "--json")
+    rep = ckptfs("meta", "restore", new, *[a for u in nodes for a in ("--node", u)], "--json",
+                 "--key", key)  # fmt: skip
     assert json.loads(rep.stdout)["missing_chunks"] == []
+    assert json.loads(rep.stdout)["verified"]
     target = _serves_the_same(tmp_path, new, files, "out")
     assert torch.equal(target["b"], torch.ones(7))
     fsck = json.loads(ckptfs("fsck", new, "--json").stdout)
@@ -112,9 +122,10 @@ def test_missing_chunk_is_reported_by_restore_and_fsck(tmp_path):
         except Exception:  # noqa: BLE001 - not placed there
             pass
     vol.close()
+    key = _copy_key(tmp_path, str(tmp_path / "vol"))
     new = str(tmp_path / "new")
     proc = ckptfs("meta", "restore", new, *[a for u in nodes for a in ("--node", u)], "--json",
-                  check=False)  # fmt: skip
+                  "--key", key, check=False)  # fmt: skip
     assert proc.returncode == 2
     assert json.loads(proc.stdout)["missing_chunks"] == [ext.hex()]
     assert "1 chunk(s) the backup names are on no node" in proc.stderr
@@ -133,9 +144,10 @@ def test_gc_keeps_chunks_a_kept_backup_names(tmp_path):
     rep = gc(vol, grace=0)
     assert rep.rows_deleted >= 1 and rep.objects_deleted == 0  # rows go, objects stay
     assert check_volume(vol, grace=0).problems == []  # neither orphans nor backup objects
+    key = bk.read_key(os.path.join(vol.base_dir, bk.KEY_FILE))
     vol.close()
     new = str(tmp_path / "new")
-    bk.restore(new, nodes)
+    assert bk.restore(new, nodes, key=key).verified
     with Volume.open(new) as v:
         assert v.read_file("/doomed.bin") == data
     # once the backup is dropped, gc reclaims them
@@ -410,3 +422,50 @@ def test_the_key_is_never_in_the_backup(tmp_path):
     tampered = {**m, "files": m["files"] + 1}
     assert not bk.verify(tampered, key)
     vol.close()
+
+
+def test_restore_without_a_key_needs_no_verify_and_prefers_replicated_backups(tmp_path):
+    """The library refuses a keyless restore unless told (no_verify); unverified, it takes
+    the newest backup with as many identical copies as the backups show (R), so a newer
+    one planted on one node does not win; a keyed restore puts the key in the new volume."""
+    from tests.test_dump import _plant, _raw_records
+
+    nodes = _node_urls(tmp_path)
+    vol = Volume.create(str(tmp_path / "vol"), nodes=nodes)  # R=2 of 3 nodes
+    vol.write_file("/f", b"real")
+    real = bk.create_backup(vol)
+    records = _raw_records(bk.backup_stream(vol.store.nodes, real).read())
+    key = bk.read_key(os.path.join(vol.base_dir, bk.KEY_FILE))
+    vol.close()
+    _plant(nodes[1], "n1", {**real, "replicas": 1}, records, real["id"] + 1000)
+
+    new = str(tmp_path / "new")
+    try:
+        bk.restore(new, nodes)
+        raise AssertionError("a keyless restore without no_verify went ahead")
+    except bk.BackupError as e:
+        assert "no_verify" in str(e)
+    assert not os.path.exists(new)
+    rep = bk.restore(new, nodes, no_verify=True)
+    assert rep.backup == real["id"] and not rep.verified
+    assert not os.path.exists(os.path.join(new, bk.KEY_FILE))
+    # named, the planted one is what --no-verify restores: the operator asked for it
+    assert bk.restore(str(tmp_path / "named"), nodes, backup=real["id"] + 1000,
+                      no_verify=True).backup == real["id"] + 1000  # fmt: skip
+
+    keyed = str(tmp_path / "keyed")
+    assert bk.restore(keyed, nodes, key=key).verified
+    assert bk.read_key(os.path.join(keyed, bk.KEY_FILE)) == key
+    assert oct(os.stat(os.path.join(keyed, bk.KEY_FILE)).st_mode & 0o777) == "0o600"
+    with Volume.open(keyed) as v:  # it signs its next backups with the same key
+        assert bk.verify(bk.create_backup(v), key)
+    # a directory holding another key is not restored into
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / bk.KEY_FILE).write_text(os.urandom(32).hex() + "\n")
+    try:
+        bk.restore(str(other), nodes, key=key)
+        raise AssertionError("restored beside another volume's key")
+    except bk.BackupError as e:
+        assert "another backup key" in str(e)
+    assert sorted(os.listdir(other)) == [bk.KEY_FILE]

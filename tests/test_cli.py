@@ -314,6 +314,8 @@ def test_default_nodes_and_backups_outlive_the_volume_directory(tmp_path):
     src.write_bytes(os.urandom(200_000))  # past the inline size: its chunks go to the nodes
     ckptfs("put", str(vol), str(src), "/keep.bin")
     ckptfs("meta", "backup", str(vol))
+    key = tmp_path / "offhost.key"  # the operator's copy, made when format said so
+    shutil.copy(vol / "backup.key", key)
     shutil.rmtree(vol)
 
     node_args = [a for i in range(4) for a in ("--node", f"dir:{nodes_dir}/n{i}")]
@@ -321,6 +323,62 @@ def test_default_nodes_and_backups_outlive_the_volume_directory(tmp_path):
     _assert_clean_error(ckptfs("format", str(vol), check=False), "already holds nodes")
     assert not vol.exists()
     new = tmp_path / "restored"
-    ckptfs("meta", "restore", str(new), *node_args)
+    ckptfs("meta", "restore", str(new), *node_args, "--key", str(key))
     ckptfs("get", str(new), "/keep.bin", str(tmp_path / "back"))
+    assert (tmp_path / "back").read_bytes() == src.read_bytes()
+    assert (new / "backup.key").read_bytes() == key.read_bytes()  # it signs on with it
+
+
+def test_format_makes_the_backup_key_and_says_to_copy_it(tmp_path):
+    """Issue 40: every volume has its backup key from `format` on (0600, in the volume
+    directory, never in the metadata), and format says in one line where it is and that
+    it must be copied off the host."""
+    vol = tmp_path / "vol"
+    out = ckptfs("format", str(vol)).stdout
+    key = vol / "backup.key"
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    assert len(bytes.fromhex(key.read_text().strip())) == 32
+    (line,) = [ln for ln in out.splitlines() if ln.lstrip().startswith("key:")]
+    assert str(key) in line and "copy it off this host" in line, out
+    assert "replica" not in line  # (SQLite: no service replicas to copy it to)
+    # the key is kept across `meta backup-key` and signs the first backup
+    made = ckptfs("meta", "backup-key", str(vol)).stdout
+    assert made.startswith("have the backup key"), made
+    m = json.loads(ckptfs("meta", "backup", str(vol), "--json").stdout)
+    from fusefs.maint import backup as bk
+
+    assert bk.verify(m, bk.read_key(str(key)))
+
+
+def test_restore_needs_the_key_or_no_verify(tmp_path):
+    """`meta restore` with neither --key nor --no-verify refuses in one line naming both,
+    and writes nothing; --no-verify restores with one warning line."""
+    import shutil
+
+    vol = tmp_path / "vol"
+    ckptfs("format", str(vol))
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(200_000))
+    ckptfs("put", str(vol), str(src), "/f.bin")
+    ckptfs("meta", "backup", str(vol))
+    shutil.rmtree(vol)
+    node_args = [a for i in range(4) for a in ("--node", f"dir:{tmp_path}/vol.nodes/n{i}")]
+
+    new = tmp_path / "new"
+    proc = ckptfs("meta", "restore", str(new), *node_args, check=False)
+    _assert_clean_error(proc, "--key FILE", "--no-verify")
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stdout == "" and not new.exists()
+    both = ckptfs("meta", "restore", str(new), *node_args, "--no-verify", "--key", str(src),
+                  check=False)  # fmt: skip
+    _assert_clean_error(both, "not both")
+    assert not new.exists()
+
+    proc = ckptfs("meta", "restore", str(new), *node_args, "--no-verify", "--json")
+    (warning,) = proc.stderr.splitlines()
+    assert warning.startswith("ckptfs: warning: --no-verify") and "not verified" in warning
+    rep = json.loads(proc.stdout)
+    assert rep["verified"] is False and rep["missing_chunks"] == []
+    assert not (new / "backup.key").exists()  # no key given, none invented
+    ckptfs("get", str(new), "/f.bin", str(tmp_path / "back"))
     assert (tmp_path / "back").read_bytes() == src.read_bytes()

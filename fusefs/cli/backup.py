@@ -107,15 +107,25 @@ def _nodes(urls: list[str]) -> list:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
+    if args.key and args.no_verify:
+        raise _user_error("give --key FILE or --no-verify, not both")
     if not args.key and not args.no_verify:
+        raise _user_error(
+            "restore verifies the backup with the volume's backup key: give --key FILE (the "
+            "copy of VOL/backup.key), or --no-verify to restore an unverified backup"
+        )
+    if args.no_verify:
         print(
-            "ckptfs: warning: restoring without --key: the backup is not verified (whoever "
-            "can write a node can forge one); give --key FILE, the volume's backup.key",
+            "ckptfs: warning: --no-verify: the backup is not verified (whoever can write a "
+            "node can forge one): restoring the newest found alike on R nodes",
             file=sys.stderr,
         )
     try:
         key = bk.read_key(args.key) if args.key else None
-        rep = bk.restore(args.new_volume, args.node, backup=args.backup, db=args.db, key=key)
+        rep = bk.restore(
+            args.new_volume, args.node, backup=args.backup, db=args.db, key=key,
+            no_verify=args.no_verify,
+        )  # fmt: skip
     except bk.BackupError as e:
         raise _user_error(str(e)) from None
     if args.json:
@@ -232,9 +242,11 @@ def register_meta(msub: argparse._SubParsersAction) -> None:
     r.add_argument("--backup", type=int, default=None, metavar="ID", help="default: newest")
     r.add_argument("--db", default=None, metavar="URL", help="postgresql://... (default SQLite)")
     r.add_argument("--key", default=None, metavar="FILE",
-                   help="the volume's backup key: restore only a backup that verifies")  # fmt: skip
+                   help="the volume's backup key (a copy of VOL/backup.key): restore only a "
+                   "backup that verifies; required unless --no-verify")  # fmt: skip
     r.add_argument("--no-verify", action="store_true",
-                   help="restore without a key (trusts whatever the nodes hold)")  # fmt: skip
+                   help="restore without a key: the newest backup found alike on R nodes, "
+                   "unverified (trusts whatever the nodes hold)")  # fmt: skip
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_restore)
     d = msub.add_parser("dump", help="write the metadata to a file (engine-independent)")

@@ -89,6 +89,21 @@ def cmd_format(args: argparse.Namespace) -> int:
         else:
             backups = "metadata snapshots on the nodes at each `ckptfs meta backup`"
         print(f"  backups:  {backups}")
+        # the backup key (fusefs.maint.backup), made now: every volume signs its backups
+        # from the first; it must be copied off the host before the volume can be lost
+        from fusefs.maint import backup as bk
+
+        try:
+            kpath, _made = bk.make_key(path)
+        except (OSError, bk.BackupError) as e:
+            raise UserError(
+                f"formatted, but cannot make the backup key: {e} (run `ckptfs meta backup-key`)"
+            ) from None
+        where = " and into each service replica's volume directory" if args.db else ""
+        print(
+            f"  key:      {shown(kpath)} (0600) signs the backups: copy it off this host{where}"
+            " now (`meta restore --key` needs it once the volume is lost)"
+        )
     return 0
 
 

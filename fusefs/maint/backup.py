@@ -109,7 +109,9 @@ def parse_id(cid: bytes) -> tuple[int, int]:
 
 # -- the backup key -------------------------------------------------------------------
 # Backups are authenticated with a key the nodes never hold: KEY_FILE in the volume
-# directory (0600), never in the database (whose config table is dumped onto the nodes).
+# directory (0600; made by `ckptfs format`, or a volume made otherwise at its first
+# backup, or by `ckptfs meta backup-key`; put back by a keyed restore), never in the
+# database (whose config table is dumped onto the nodes).
 # A manifest carries an HMAC-SHA256 under it over its whole content, which names every
 # piece's BLAKE2b-256 (xxh3 catches damage, not forgery), so a backup planted on a node,
 # or one whose pieces were swapped, does not verify. The operator copies the key off the
@@ -137,6 +139,19 @@ def make_key(vol_dir: str) -> tuple[str, bool]:
         f.flush()
         os.fsync(f.fileno())
     return path, True
+
+
+def write_key(vol_dir: str, key: bytes) -> str:
+    """Put a key given (the operator's copy) into a volume directory as KEY_FILE (0600): a
+    restored volume goes on signing with the key its backups verify with. Never replaces
+    one."""
+    path = key_path(vol_dir)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key.hex() + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return path
 
 
 def read_key(path: str) -> bytes:
@@ -691,7 +706,12 @@ def choose(
 ) -> dict:
     """The backup to restore: `wanted`, or the newest. With a key, only one that verifies
     (a named one that does not is refused, naming it), and of those the newest whose
-    manifest is present and identical on R nodes (the volume's replicas), if any is."""
+    manifest is present and identical on R nodes (the volume's replicas), if any is.
+
+    Without a key (restore --no-verify) a manifest's `replicas` is a node's word, so R is
+    what the backups show: the most copies that any backup both claims and has. The
+    newest backup with that many identical copies is taken: one planted on a single node
+    does not outrank the volume's own, replicated, backups (unless R is 1)."""
     if not backups:
         raise BackupError("no backup found on these nodes")
     if wanted is not None:
@@ -706,18 +726,26 @@ def choose(
             )
         return m
     if key is None:
-        return backups[-1]
+        if not nodes:
+            return backups[-1]
+        copies = {m["id"]: _copies(nodes, m["id"]) for m in backups}
+        want = max(min(_replicas(m, nodes), copies[m["id"]]) for m in backups)
+        return next(m for m in reversed(backups) if copies[m["id"]] >= want)
     good = [m for m in backups if verify(m, key)]
     if not good:
         bad = ", ".join(str(m["id"]) for m in backups)
         raise BackupError(f"no backup on these nodes verifies with this key (found {bad})")
     if nodes:
         for m in reversed(good):
-            want = min(max(1, int(m.get("replicas", 1))), len(nodes))
-            if _copies(nodes, m["id"]) >= want:
+            if _copies(nodes, m["id"]) >= _replicas(m, nodes):
                 return m
         log.warning("no verified backup is on R nodes alike: the newest verified one is used")
     return good[-1]
+
+
+def _replicas(m: dict, nodes: Sequence[ObjectNode]) -> int:
+    """The manifest's replica count, within 1..the node count."""
+    return min(max(1, int(m.get("replicas", 1))), len(nodes))
 
 
 def _copies(nodes: Sequence[ObjectNode], number: int) -> int:
@@ -739,18 +767,28 @@ def restore(
     backup: int | None = None,
     db: str | None = None,
     key: bytes | None = None,
+    no_verify: bool = False,
 ) -> RestoreReport:
     """Rebuild a volume at `path` from a backup on these nodes (the newest, or `backup`).
 
     The new volume's nodes are the given URLs. Chunks the backup names that no node holds
     are reported (fsck shows them as dangling extents); objects on the nodes that the
-    backup does not name are left alone (gc deletes them after its grace period). With
-    `key` (the volume's backup key), only a backup that verifies is restored (choose);
-    without, any (the caller said so: the CLI asks for --key or --no-verify)."""
+    backup does not name are left alone (gc deletes them after its grace period).
+    `key` (the volume's backup key) is required: only a backup that verifies is restored
+    (choose), and the key is put in the new volume directory (its next backups are
+    signed by it). `no_verify=True` without a key restores an unverified backup (the
+    newest on R nodes alike: choose); the caller said so (`restore --no-verify`)."""
+    if key is None and not no_verify:
+        raise BackupError(
+            "a restore verifies the backup with the volume's backup key: give the key, or "
+            "no_verify=True to restore an unverified one"
+        )
     t0 = time.monotonic()
     path = os.path.abspath(path)
     if os.path.exists(os.path.join(path, VOLUME_FILE)):
         raise BackupError(f"{path} already holds a volume")
+    if key is not None and os.path.exists(key_path(path)) and read_key(key_path(path)) != key:
+        raise BackupError(f"{key_path(path)} holds another backup key: move it away")
     probe = open_nodes(node_urls)
     try:
         m = choose(list_backups(probe), backup, key, probe)
@@ -777,6 +815,8 @@ def restore(
                 rep.files, rep.checkpoints = out["files"], out["checkpoints"]
                 rep.chunks = out["rows"].get("chunks", 0)
                 rep.missing_chunks = [c.hex() for c in _missing(engine, nodes)]
+                if key is not None and not os.path.exists(key_path(path)):
+                    write_key(path, key)
                 write_volume_file(path, meta_url)
             finally:
                 engine.close()
