@@ -48,6 +48,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         meta_replicas=args.meta_replicas,
         db=args.db,
         kill_meta=args.kill_meta,
+        hang_meta=args.hang_meta,
+        hang_s=args.hang_for,
         partition_host=args.partition_host,
         rolling_restart=args.rolling_restart,
         restart_db=args.restart_db,
@@ -79,6 +81,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from bench.harness_config import HANG_S
     from fusefs.cli.main import size_arg
 
     b = sub.add_parser(
@@ -174,6 +177,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--kill-meta",
         action="store_true",
         help="SIGKILL a service replica mid-step, restart it --fault-hold later",
+    )
+    b.add_argument(
+        "--hang-meta",
+        action="store_true",
+        help="SIGSTOP a service replica mid-step, SIGCONT it --hang-for later (needs "
+        "--meta-replicas >= 2); its step must publish within 5 s of a step without faults",
+    )
+    b.add_argument(
+        "--hang-for",
+        type=float,
+        default=HANG_S,
+        metavar="S",
+        help=f"how long --hang-meta keeps the replica stopped (default {HANG_S:g})",
     )
     b.add_argument(
         "--partition-host",

@@ -12,14 +12,15 @@ Faults are injected at `fault_step`: a node dies once a quarter of the ranks hav
 (its directory replaced by a file, or its SeaweedFS server SIGKILLed), one rank dies halfway
 through its shard (the step must then be aborted at its deadline), ranks or a node are slowed.
 Fleet faults (bench.harness_faults) take one step each from there: a service replica killed
-and restarted, a host's link cut and healed, PostgreSQL restarted, and a rolling restart of
-every S3 node across steps.
+and restarted, a replica hung (SIGSTOP, then SIGCONT), a host's link cut and healed,
+PostgreSQL restarted, and a rolling restart of every S3 node across steps.
 
 The verdict (bench.harness_report.judge): every step either published with every byte
 verified, or (only where an injected fault made publishing impossible in time) was aborted
 with the previous step still the latest and still verified; every staged chunk drained; no
 acknowledged write lost (after the faults are undone, the first and last published steps
-read back whole); every fault undone. Anything else fails the run.
+read back whole); every fault undone; the step a replica hung in published within
+HANG_BUDGET_S (5 s) of the steps without faults. Anything else fails the run.
 
 Where it runs (bench.harness_env): on 127.0.0.1 (`loopback`), or with every host, replica,
 the database and every node in a network namespace of its own on 198.18.0.0/16 (`netns`,
@@ -227,7 +228,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
     flush = final = resume = None
     latest = durable = None
     stats: dict = {}
-    counters = {"failovers": 0, "reconnects": 0}
+    counters = {"failovers": 0, "reconnects": 0, "hangs": 0}
     baseline: dict = {}
     job = f"bench-{int(t_run)}-{os.getpid()}"
     signals = _Signals()
@@ -270,7 +271,10 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         )
         if faults.plan:
             plan = ", ".join(f"{k} at step {v}" for k, v in faults.plan.items())
-            say(f"faults: {plan} (each down {cfg.fault_hold:g}s)")
+            holds = [f"the hang {cfg.hang_s:g}s"] if cfg.hang_meta else []
+            if set(faults.plan) - {"hang-meta"}:
+                holds.insert(0, f"each down {cfg.fault_hold:g}s")
+            say(f"faults: {plan} ({'; '.join(holds)})")
         baseline = _disk_baseline(env.root, min(step_bytes, 2**30), cfg)
         workers = Workers(cfg, wcfg, hosts, groups, env.host_ns, abort=watch.failed.is_set)
         env.worker_pids = workers.host_pids()
@@ -323,7 +327,8 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         for part in workers.gather("counters", 60, None):
             for k in counters:
                 counters[k] += int(part.get(k, 0))
-        counters["failovers"] += int(getattr(meta, "failovers", 0) or 0)
+        for k in ("failovers", "hangs"):
+            counters[k] += int(getattr(meta, k, 0) or 0)
         latest = _try(errors, "latest", meta.latest, job)
         durable = _try(errors, "latest_durable", meta.latest_durable, job)
         got = _try(errors, "stats", meta.stats)

@@ -15,6 +15,13 @@ from chunkstore.chunker import MAX_CHUNK, MIN_CHUNK
 TOPOLOGIES = ("loopback", "netns")
 MAX_NETNS_HOSTS = 64  # one worker process per host: memory, not addresses, is the limit
 MAX_REPLICAS = 8
+# --hang-meta: how long a replica stays stopped (SIGSTOP .. SIGCONT). Longer than what a
+# client takes to leave a silent replica (1 s of silence, then a ping unanswered for 3 s:
+# ~4 s, metadata/client.py) and than PostgreSQL takes to end the stopped replica's idle
+# transaction and release its locks (5 s, IDLE_IN_TX_S), so only failover can publish the
+# step in time: a fleet that waited for the resume instead would be >= 10 s late, twice
+# the verdict's budget (HANG_BUDGET_S, bench.harness_report).
+HANG_S = 10.0
 
 
 class HarnessError(ValueError):
@@ -48,6 +55,8 @@ class HarnessConfig:
     slow_delay: float = 2.0
     slow_node_delay: float = 0.02
     kill_meta: bool = False
+    hang_meta: bool = False
+    hang_s: float = HANG_S  # how long --hang-meta keeps the replica stopped
     partition_host: bool = False
     rolling_restart: bool = False
     restart_db: bool = False
@@ -78,7 +87,7 @@ class HarnessConfig:
 
     def new_faults(self) -> list[str]:
         """The fleet faults asked for, in the order their steps are assigned."""
-        names = ("kill_meta", "partition_host", "restart_db")
+        names = ("kill_meta", "hang_meta", "partition_host", "restart_db")
         return [n.replace("_", "-") for n in names if getattr(self, n)]
 
     def validate(self) -> None:
@@ -103,6 +112,7 @@ class HarnessConfig:
         need(1 <= self.threads_per_host <= 64, "--threads-per-host must be 1..64")
         need(self.phase_timeout > 0, "--phase-timeout must be positive")
         need(0.1 <= self.fault_hold <= 600, "--fault-hold must be 0.1..600 seconds")
+        need(0.5 <= self.hang_s <= 600, "--hang-for must be 0.5..600 seconds")
         need(self.db in ("sqlite", "postgres"), "--db must be sqlite or postgres")
         need(1 <= self.meta_replicas <= MAX_REPLICAS, f"--meta-replicas must be 1..{MAX_REPLICAS}")
         if self.meta_replicas > 1:
@@ -127,12 +137,22 @@ class HarnessConfig:
                 "--db and --meta-replicas apply to --embedded only",
             )
             need(
-                not (self.kill_meta or self.restart_db or self.rolling_restart),
-                "--kill-meta, --restart-db and --rolling-restart need --embedded "
+                not (self.kill_meta or self.hang_meta or self.restart_db or self.rolling_restart),
+                "--kill-meta, --hang-meta, --restart-db and --rolling-restart need --embedded "
                 "(the harness restarts only what it started)",
             )
         if self.kill_node:
             need(self.replicas >= 2, "--kill-node needs --replicas >= 2 to keep the data")
+        if self.hang_meta:
+            need(
+                self.meta_replicas >= 2,
+                "--hang-meta needs --meta-replicas >= 2 (a client leaves the stopped replica "
+                "for another)",
+            )
+            need(
+                self.steps >= 2,
+                "--hang-meta is judged against a step without faults: needs --steps >= 2",
+            )
         if self.restart_db:
             need(self.db == "postgres", "--restart-db needs --db postgres")
         if self.rolling_restart:
@@ -198,7 +218,8 @@ class HarnessConfig:
         return len(self.layout()[0]) - 1
 
     def meta_victim(self) -> int:
-        """The replica killed by --kill-meta: the last one (the coordinator uses the first)."""
+        """The replica killed by --kill-meta or stopped by --hang-meta: the last one (the
+        coordinator uses the first)."""
         return self.meta_replicas - 1
 
     def slow_ranks(self) -> list[int]:

@@ -83,6 +83,7 @@ class Env:
         self.host_ns: dict[int, str] = {}  # host index -> its namespace's path (netns)
         self.worker_pids: dict[int, int] = {}  # host index -> worker pid (loopback partition)
         self.stopped_pids: set[int] = set()
+        self.stopped_meta: set[int] = set()  # replicas --hang-meta has stopped (SIGSTOP)
         # server processes down on purpose (a fault killed, stopped or is restarting them):
         # the fleet watcher (bench.harness_watch) flags any other exit
         self.on_purpose: set[str] = set()
@@ -426,6 +427,36 @@ class Env:
                 raise HarnessError(f"replica {i} did not come back: {e}") from None
             self._expect_up(f"m{i}")
 
+    def hang_meta(self, i: int) -> None:
+        """SIGSTOP service replica i: it hangs with its connections open (its kernel still
+        ACKs, so nothing breaks and keepalive sees nothing), which only the clients'
+        silence probes and deadlines detect. Marked down on purpose until resume_meta."""
+        with self._action():
+            s = self.servers[i]
+            if not s.alive():
+                raise HarnessError(f"replica {i} is not running: nothing to stop")
+            self._expect_down(f"m{i}")
+            assert s.pid is not None
+            os.kill(s.pid, signal.SIGSTOP)
+            self.stopped_meta.add(i)
+
+    def resume_meta(self, i: int) -> None:
+        """SIGCONT replica i (always allowed, like healing: teardown relies on it too)."""
+        with self._lock:
+            if i not in self.stopped_meta:
+                return
+            self.stopped_meta.discard(i)
+            pid = self.servers[i].pid if i < len(self.servers) else None
+            if pid is not None:
+                _signal_if_alive(pid, signal.SIGCONT)
+            self._expect_up(f"m{i}")
+
+    def replica_first_url(self, i: int) -> str:
+        """A service URL listing replica i first, then the others: a client of it talks
+        to replica i while it answers (the hang probe's)."""
+        addrs = [s.address for s in self.servers]
+        return service_url(addrs[i:] + addrs[:i], self.servers[0].token_file)
+
     def cut_host(self, h: int) -> None:
         """Partition host h: its link down (netns); on loopback, where there is no link to
         cut, its worker process is stopped (SIGSTOP), which is what the rest of the fleet
@@ -500,6 +531,8 @@ class Env:
             except Exception as e:
                 self.problems.append(f"{what}: {e}")
 
+        for i in list(self.stopped_meta):  # (terminate sends SIGCONT too: this says so first)
+            step("resume a stopped replica", lambda i=i: self.resume_meta(i))
         for pid in list(self.stopped_pids):
             step("resume a stopped worker", lambda pid=pid: _signal_if_alive(pid, signal.SIGCONT))
         for s in self.servers:  # all asked at once, then each waited for

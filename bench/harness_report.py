@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict
 
@@ -142,6 +143,56 @@ def step_summary(rec, cfg) -> dict:
 
 
 ABORTING_FAULTS = ("kill-rank", "kill-node")  # may abort a step whatever its deadline
+# --hang-meta: the step a replica hung in must publish within this many seconds of the steps
+# without faults (their median): the clients leave a silent replica in ~4 s (1 s of silence,
+# a 3 s ping), the database ends its idle transaction in 5 s, and a fleet that waited for
+# the resume instead (HANG_S, 10 s) would miss it by seconds
+HANG_BUDGET_S = 5.0
+
+
+def hang_check(steps: list[dict], fault: dict) -> dict:
+    """The hung step's publish time (step start -> published) against the median of the
+    published steps with no fault noted (a step that started while the replica was still
+    stopped has one) that came before it, the fleet as it was before anything was done to
+    it (only when there is none, those after it: a run's later steps can be slowed by other
+    things, such as write-behind tiers backing up, which would hide the hang's cost), and
+    whether it is within HANG_BUDGET_S of it."""
+    free = [s for s in steps if s["state"] == "published" and not s["faults"] and s.get("save_s")]
+    free = [s for s in free if s["step"] < fault["step"]] or free
+    hit = next((s for s in steps if s["step"] == fault["step"]), None)
+    pub = hit.get("save_s") if hit is not None and hit["state"] == "published" else None
+    base = statistics.median(s["save_s"] for s in free) if free else None
+    over = pub - base if pub is not None and base is not None else None
+    return {
+        "publish_s": _r(pub, 3),
+        "state": hit["state"] if hit is not None else None,
+        "baseline_publish_s": _r(base, 3),
+        "baseline_steps": [s["step"] for s in free],
+        "over_baseline_s": _r(over, 3),
+        "budget_s": HANG_BUDGET_S,
+        "within_budget": over is not None and over <= HANG_BUDGET_S,
+    }
+
+
+def _hang_line(f: dict, c: dict) -> str:
+    head = f"hang-meta {f['target']} (step {f['step']}, stopped {f['down_s'] or 0:.1f}s)"
+    if c["publish_s"] is None:
+        return f"{head}: FAIL the step did not publish ({c['state']})"
+    if c["baseline_publish_s"] is None:
+        return f"{head}: FAIL no step without faults published to compare it with"
+    steps = ",".join(str(n) for n in c["baseline_steps"])
+    text = (
+        f"step {f['step']} published in {c['publish_s']:.2f}s, steps without faults "
+        f"{c['baseline_publish_s']:.2f}s (median of {steps}): {c['over_baseline_s']:+.2f}s"
+    )
+    answered = f.get("answered_s")
+    if answered is not None and f.get("probe_on") == f["target"]:
+        text += f"; a client on the stopped replica answered by another in {answered:.1f}s"
+    elif answered is not None:
+        text += f"; (the probe client was on {f.get('probe_on')}, not the stopped replica)"
+    if c["within_budget"]:
+        return f"{head}: {text} (budget +{HANG_BUDGET_S:g}s)"
+    return f"{head}: FAIL {text}, over the budget of +{HANG_BUDGET_S:g}s"
 
 
 def judge(
@@ -159,7 +210,8 @@ def judge(
     injected fault made publishing impossible (a killed rank or node, or an outage longer
     than the step's deadline) with the previous published step still latest and verified;
     every staged chunk drained; no acknowledged write lost (the final check); every
-    injected fault undone; no metadata call of the run failed."""
+    injected fault undone; the step a replica hung in (--hang-meta) published within
+    HANG_BUDGET_S of the steps without faults; no metadata call of the run failed."""
     lines, ok = [], True
     last_published = None
     for s in steps:
@@ -248,6 +300,11 @@ def judge(
                 f"FAIL fault {f['what']} {f['target']} (step {f['step']}) did not recover: "
                 f"{f['error'] or 'no recovery seen'}"
             )
+    for f in faults or []:
+        if f["what"] == "hang-meta":
+            c = hang_check(steps, f)
+            ok = ok and c["within_budget"]
+            lines.append(_hang_line(f, c))
     if faults and all(f["recovered"] for f in faults):
         worst = max(f["recovered_s"] or 0 for f in faults)
         lines.append(f"faults: {len(faults)} injected, all undone; slowest recovery {worst:.1f}s")
@@ -298,6 +355,9 @@ def build_report(
     process_exits: list[dict] | None = None,
 ):
     summaries = [step_summary(r, cfg) for r in steps]
+    for f in faults or []:
+        if f["what"] == "hang-meta":
+            f["publish"] = hang_check(summaries, f)
     verdict = judge(
         summaries, cfg.ranks, flush, latest, durable, final, faults, errors, resume=resume
     )
@@ -340,6 +400,7 @@ def build_report(
         "faults": faults or [],
         "failovers": (counters or {}).get("failovers", 0),
         "reconnects": (counters or {}).get("reconnects", 0),
+        "hangs": (counters or {}).get("hangs", 0),
         "publish_latency": latency_split(summaries),
         "final_check": final,
         "errors": errors or [],
@@ -382,9 +443,20 @@ def format_table(rep: dict) -> str:
     for f in rep.get("faults", []):
         rec = "-" if f["recovered_s"] is None else f"{f['recovered_s']:.1f}s"
         down = "-" if f["down_s"] is None else f"{f['down_s']:.1f}s"
+        what = "stopped" if f["what"] == "hang-meta" else "down"
+        extra = ""
+        if f.get("answered_s") is not None:
+            extra = f", a client on it answered by another replica in {f['answered_s']:.1f}s"
+        pub = f.get("publish") or {}
+        if pub.get("publish_s") is not None and pub.get("baseline_publish_s") is not None:
+            extra += (
+                f", step published in {pub['publish_s']:.2f}s vs {pub['baseline_publish_s']:.2f}s"
+                " without faults"
+            )
         out.append(
             f"fault {f['what']} {f['target']} step {f['step']} at {f['at_s']:.1f}s: "
-            f"down {down}, recovered in {rec}{'  ' + f['error'] if f['error'] else ''}"
+            f"{what} {down}, recovered in {rec}{extra}"
+            f"{'  ' + f['error'] if f['error'] else ''}"
         )
     topo = rep.get("topology") or {}
     if topo:
@@ -400,7 +472,8 @@ def format_table(rep: dict) -> str:
         out.append(
             f"topology {topo.get('kind')}, {len(topo.get('meta_replicas', []))} service "
             f"replicas, failovers {rep.get('failovers', 0)}, reconnects "
-            f"{rep.get('reconnects', 0)}; publish latency {'; '.join(parts) or '-'}"
+            f"{rep.get('reconnects', 0)}, hangs {rep.get('hangs', 0)}; "
+            f"publish latency {'; '.join(parts) or '-'}"
         )
     b = rep["baseline_disk"]
     out.append(

@@ -102,7 +102,9 @@ class Host:
     name: str
     ranks: list[int]
     vol: Volume
-    counted: dict[str, int] = field(default_factory=lambda: {"failovers": 0, "reconnects": 0})
+    counted: dict[str, int] = field(
+        default_factory=lambda: {"failovers": 0, "reconnects": 0, "hangs": 0}
+    )
     uploaded_before: int = 0  # what the tiers this host closed (a resume reopens it) uploaded
 
 
@@ -598,9 +600,10 @@ def flush_all(st: WorkerState, timeout: float) -> list[dict]:
 
 
 def counters(st: WorkerState) -> dict:
-    """Client failovers (to another service replica) and reconnects, over this process's
-    hosts. `failovers` is what the failover client counts; 0 from a client without it."""
-    out = {"failovers": 0, "reconnects": 0}
+    """Client failovers (to another service replica), reconnects and hangs (connections
+    left for silence or a missed deadline), over this process's hosts: what the failover
+    client counts; 0 from a client without them."""
+    out = {"failovers": 0, "reconnects": 0, "hangs": 0}
     for h in st.hosts:
         for k in out:
             out[k] += h.counted[k] + int(getattr(h.vol.meta, k, 0) or 0)

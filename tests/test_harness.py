@@ -352,3 +352,96 @@ def test_a_signal_ends_the_run_within_15s(tmp_path, sig, when):
     assert pids and not [name for name, p in pids.items() if _alive(p)]
     assert _processes_mentioning(str(tmp_path)) == []
     assert os.listdir(tmp_path) == []
+
+
+# -- --hang-meta: a replica stopped (SIGSTOP) mid-step, continued later -----------------------
+def _hang_fault(step: int = 2, **kw) -> dict:
+    return {
+        "what": "hang-meta", "target": "m1", "step": step, "at_s": 1.0, "down_s": 10.0,
+        "recovered_s": 5.5, "recovered": True, "error": "", "answered_s": 4.3,
+        "probe_on": "m1", **kw,
+    }  # fmt: skip
+
+
+def test_hang_meta_options_are_one_line(tmp_path):
+    with pytest.raises(HarnessError, match=r"--hang-meta needs --meta-replicas >= 2"):
+        _cfg(tmp_path, hang_meta=True).validate()
+    with pytest.raises(HarnessError, match="need --embedded"):
+        _cfg(tmp_path, volume=str(tmp_path), hang_meta=True).validate()
+    with pytest.raises(HarnessError, match="--hang-for"):
+        _cfg(tmp_path, hang_meta=True, hang_s=0.0).validate()
+    res = subprocess.run(
+        [sys.executable, "-m", "fusefs.cli", "bench", "--embedded", "--hang-meta",
+         "--ranks", "8", "--steps", "2", "--workdir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "ckptfs: error: --hang-meta needs --meta-replicas >= 2 (a client leaves the stopped "
+        "replica for another)"
+    ]
+    assert HarnessConfig(steps=4, hang_meta=True, kill_meta=True).fault_steps() == {
+        "kill-meta": 2,
+        "hang-meta": 3,
+    }
+
+
+def test_judge_hang_budget():
+    def steps(hung_s: float) -> list[dict]:
+        out = []
+        for n, s in ((1, 3.0), (2, hung_s), (3, 2.0), (4, 2.2)):
+            faults = ["hang-meta m1 at 16/64 ranks for 10s"] if n == 2 else []
+            if n == 3:
+                faults = ["hang-meta m1 still stopped"]  # not a baseline step
+            out.append({**_summary(n, "published", faults=faults), "save_s": s})
+        return out
+
+    v = judge(steps(7.9), 4, None, 4, 4, faults=[_hang_fault()])
+    assert v["ok"], v
+    (line,) = [ln for ln in v["lines"] if ln.startswith("hang-meta")]
+    assert "published in 7.90s" in line and "3.00s (median of 1)" in line and "+4.90s" in line
+    assert "answered by another in 4.3s" in line
+    v = judge(steps(8.1), 4, None, 4, 4, faults=[_hang_fault()])  # 5.1 s over: FAIL
+    assert not v["ok"] and any("FAIL" in ln and "over the budget" in ln for ln in v["lines"])
+    # not published at all, or nothing to compare with
+    bad = steps(7.0)
+    bad[1]["state"] = "aborted"
+    assert not judge(bad, 4, None, 4, 4, faults=[_hang_fault()])["ok"]
+    alone = [{**_summary(1, "published", faults=["x"]), "save_s": 1.0}, steps(6.0)[1]]
+    v = judge(alone, 4, None, 2, 2, faults=[_hang_fault()])
+    assert not v["ok"] and any("no step without faults" in ln for ln in v["lines"])
+    # the hang at step 1: the steps without faults after it are the comparison
+    later = [{**s, "step": s["step"] - 1} for s in steps(7.0)[1:]]
+    v = judge(later, 4, None, 3, 3, faults=[_hang_fault(step=1)])
+    assert v["ok"] and any("2.20s (median of 3)" in ln for ln in v["lines"]), v
+
+
+@_PG
+def test_hang_meta_loopback_fleet(tmp_path):
+    """2 replicas on PostgreSQL, one SIGSTOPped mid-step for 8 s (longer than a client's ~4 s
+    to leave it and the database's 5 s to end its transaction): the clients fail over, the
+    step publishes within 5 s of the steps without faults, the replica is continued and
+    serves again, and the run passes with the hang in `faults`."""
+    t0 = time.monotonic()
+    lines: list[str] = []
+    cfg = _cfg(
+        tmp_path, ranks=64, hosts=2, steps=4, meta_replicas=2, db="postgres", hang_meta=True,
+        hang_s=8.0, phase_timeout=40,
+    )  # fmt: skip
+    rep = run(cfg, log=lines.append)
+    took = time.monotonic() - t0
+    assert rep["verdict"]["ok"], [ln for ln in rep["verdict"]["lines"] if "FAIL" in ln] or rep
+    (f,) = rep["faults"]
+    assert f["what"] == "hang-meta" and f["target"] == "m1" and f["step"] == 2, f
+    assert f["recovered"] and f["down_s"] >= 8.0 and f["probe_on"] == "m1", f
+    # recovered while the replica was still stopped: a client on it answered by the other
+    assert 3.0 < f["answered_s"] < 8.0 and f["recovered_s"] < f["down_s"], f
+    pub = f["publish"]
+    assert pub["within_budget"] and pub["over_baseline_s"] <= 5.0 and pub["baseline_steps"], pub
+    assert rep["hangs"] >= 1 and rep["failovers"] >= 1
+    assert all(s["state"] == "published" and s["verified"] == 64 for s in rep["steps"])
+    assert any(ln.startswith("hang-meta m1 (step 2") for ln in rep["verdict"]["lines"])
+    assert "fault hang-meta m1 step 2" in format_table(rep)
+    assert rep["process_exits"] == []  # stopped on purpose, continued: not flagged
+    assert os.listdir(tmp_path) == []
+    assert took < 60, f"the hang run took {took:.0f}s"

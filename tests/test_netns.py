@@ -461,3 +461,30 @@ def test_restart_db_mid_step(tmp_path):
     assert rep["steps"][0]["state"] == "published" and rep["steps"][0]["verified"] == 16
     assert os.listdir(tmp_path) == []
     assert rep["verdict"]["ok"], (rep["verdict"]["lines"], rep["errors"])
+
+
+@needs_netns
+@needs_weed
+@needs_pg
+def test_netns_hang_meta(tmp_path):
+    """The fleet with a replica hung: 2 replicas on PostgreSQL in namespaces of their own,
+    the second SIGSTOPped as step 2's save starts and continued 8 s later. Its hosts'
+    clients leave it on silence, the step publishes within 5 s of the steps without
+    faults, every step reads back whole, and the fleet is gone afterwards."""
+    t0 = time.monotonic()
+    before = _root_links()
+    cfg = HarnessConfig(
+        ranks=32, hosts=2, shard_size=256 * 1024, steps=4, topology="netns", node_count=2,
+        meta_replicas=2, db="postgres", hang_meta=True, hang_s=8.0, workdir=str(tmp_path),
+        progress=False, phase_timeout=60,
+    )  # fmt: skip
+    rep = run(cfg, log=lambda _m: None)
+    assert rep["verdict"]["ok"], _failed_lines(rep)
+    (f,) = rep["faults"]
+    assert f["what"] == "hang-meta" and f["step"] == 2 and f["probe_on"] == "m1", f
+    assert f["recovered"] and f["recovered_s"] < f["down_s"] and f["down_s"] >= 8.0, f
+    assert f["publish"]["within_budget"], f
+    assert rep["hangs"] >= 1 and rep["failovers"] >= 1 and rep["process_exits"] == []
+    assert all(s["state"] == "published" and s["verified"] == 32 for s in rep["steps"])
+    assert _leftovers(f"ckb{os.getpid()}x", [str(tmp_path), f"ckb{os.getpid()}x"], before) == []
+    assert time.monotonic() - t0 < 90
