@@ -382,3 +382,22 @@ def test_restore_needs_the_key_or_no_verify(tmp_path):
     assert not (new / "backup.key").exists()  # no key given, none invented
     ckptfs("get", str(new), "/f.bin", str(tmp_path / "back"))
     assert (tmp_path / "back").read_bytes() == src.read_bytes()
+
+
+def test_meta_serve_errors_raised_inside_nurseries_are_one_line(tmp_path, pg_url):
+    """trio >= 0.25 raises what fails inside a nursery as an exception group: a taken
+    --listen port and a database that refuses still print one line, never a traceback."""
+    import socket
+
+    vol = str(tmp_path / "vol")
+    ckptfs("format", vol, "--nodes", "2")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = ckptfs("meta", "serve", vol, "--listen", f"127.0.0.1:{port}", check=False)
+    _assert_clean_error(proc, f"cannot listen on 127.0.0.1:{port}", "in use")
+    assert "Errno" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    missing = pg_url.rsplit("/", 1)[0] + "/no_such_database"
+    proc = ckptfs("meta", "serve", vol, "--db", missing, "--listen", "127.0.0.1:0", check=False)
+    _assert_clean_error(proc, "no_such_database")
