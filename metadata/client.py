@@ -120,13 +120,18 @@ def allowance(method: str, args: Any, kwargs: Any, size: int) -> float:
         base = LONG_DEADLINE
     else:
         base = QUICK_DEADLINE
-    if method == "wait_published":
-        t = kwargs.get("timeout", args[2] if len(args) > 2 else 60.0)
-        try:
-            base += min(max(float(t), 0.0), 86400.0)
-        except (TypeError, ValueError):
-            pass
-    return base + size / DEADLINE_BYTES_PER_S
+    return base + waits_for(method, args, kwargs) + size / DEADLINE_BYTES_PER_S
+
+
+def waits_for(method: str, args: Any, kwargs: Any) -> float:
+    """Seconds the request waits by its own argument (wait_published's timeout), else 0."""
+    if method != "wait_published":
+        return 0.0
+    t = kwargs.get("timeout", args[2] if len(args) > 2 else 60.0)
+    try:
+        return min(max(float(t), 0.0), 86400.0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _result_fix(method: str, value: Any) -> Any:
@@ -762,9 +767,13 @@ class RemoteEngine(MetaEngine):
                         MetaError(errno.E2BIG, f"{method} request over {self.max_frame} bytes")
                     )
                     continue
-                allow = allowance(method, *_call_args(fr, method), len(fr) - 4)
+                args, kwargs = _call_args(fr, method)
+                allow = allowance(method, args, kwargs, len(fr) - 4)
+                # a wait's retry window starts when its own wait would end: a service may
+                # close a connection that only waits, to make room, and the wait goes on
+                exp = expires + waits_for(method, args, kwargs)
                 with self._lock:
-                    self._pending[rid] = _Pending(fr, fut, method, expires, allow, now)
+                    self._pending[rid] = _Pending(fr, fut, method, exp, allow, now)
                 frames.append(fr)
                 size += len(fr)
                 if size >= SEND_SLICE:

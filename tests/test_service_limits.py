@@ -166,7 +166,8 @@ def test_past_the_connection_cap_with_none_idle_the_newcomer_is_refused(vol):
     with _service(vol, max_connections=1) as (svc, port):
         busy = _authed(port)
         svc.engine.begin("job", 1, 2)  # type: ignore[attr-defined]
-        # a request that stays in flight: wait for a step that does not publish
+        # a request that stays in flight: a wait younger than waiters.EVICT_AGE (an older
+        # one may be closed to make room: test_waiters.py)
         busy.sendall(encode_frame([1, "wait_published", ["job", 1], {"timeout": 30}, None]))
         time.sleep(0.3)
         s = socket.create_connection(("127.0.0.1", port), timeout=10)

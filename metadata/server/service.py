@@ -19,8 +19,11 @@ of ranks send them at the same moment:
 - manifest: built once per published step (right at publish) and encoded
   once, whole and per rank; a request for a built step is answered on the
   reader, from that encoding, with no thread hop and no database access;
-- wait_published: answered from in-memory terminal states, woken by local
-  publishes, with a slow database poll for steps published elsewhere;
+- wait_published: no task and no query per waiter (waiters.py): answered from
+  the finished steps' states kept here, or when the step settles (a publish or
+  abort here, an expiry, or one shared poll per watched step for another
+  replica's publish); bounded per connection and in all, and a connection that
+  only waits may be closed to make room under the connection cap;
 - plain reads (latest, lookup, getattr, ...): queued to one thread that runs
   everything waiting as a batch, identical calls once (see readbatch.py).
 
@@ -62,6 +65,7 @@ from metadata.server.groupcommit import GroupCommit
 from metadata.server.manifests import encode_manifest, manifest_answer
 from metadata.server.readbatch import ReadBatcher
 from metadata.server.stats import ServiceStats
+from metadata.server.waiters import Waiters
 from metadata.sql.requests import ONCE_METHODS, KeyReused
 from metadata.wire.protocol import (
     IDLE_TIMEOUT,
@@ -91,7 +95,12 @@ MAX_HANDSHAKES = 4096  # connections waiting for their hello; past it the oldest
 # none idle the newcomer is refused with EBUSY (the client tries the next replica, backing
 # off within its retry window). `meta serve --idle-timeout / --max-connections`; the
 # defaults (IDLE_TIMEOUT, MAX_CONNECTIONS) live in protocol.py.
-IDEM_KEEP = 200_000
+# Outcomes of keyed requests kept for a retry that reaches this process: a fast path only
+# (what makes a retry apply once lives in the database), so bounded in number (a 16k-rank
+# job's commits and their retries, ~0.4 KB each: ~20 MB at most) and in age (a retry comes
+# within the client's retry window, 60 s by default).
+IDEM_KEEP = 50_000
+IDEM_KEEP_S = 300.0
 MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
@@ -141,7 +150,7 @@ class _Slot:
     slot needs no task of its own.
     """
 
-    __slots__ = ("done", "result", "error", "_waiters", "binding")
+    __slots__ = ("done", "result", "error", "_waiters", "binding", "born")
 
     def __init__(self) -> None:
         self.done = False
@@ -149,6 +158,7 @@ class _Slot:
         self.error: BaseException | None = None
         self._waiters: list[Any] = []
         self.binding = b""  # a keyed request's: who asked, what (server/access.py)
+        self.born = 0.0  # a keyed request's: when it came (IDEM_KEEP_S)
 
     def set(self, result: Any = None, error: BaseException | None = None) -> None:
         self.result, self.error, self.done = result, error, True
@@ -215,8 +225,7 @@ class MetaService:
         # (job, step) -> {rank: files} of the commits this process wrote: at publish the
         # manifest is encoded from these, without reading the step back (see _prebuild)
         self._step_files: dict[tuple[str, int], dict[int, list]] = {}
-        self._terminal: dict[tuple[str, int], dict] = {}
-        self._changed = trio.Event()
+        self._waits = Waiters(self._run, engine)  # wait_published, and finished steps' states
         self._nursery: trio.Nursery | None = None
         self._tls: ssl.SSLContext | None = None  # set by serve()
         self.connections = 0
@@ -232,6 +241,7 @@ class MetaService:
             "hello_evictions": 0,
             "idle_closed": 0,  # idle past idle_timeout
             "evicted": 0,  # idle, closed to make room under max_connections
+            "evicted_waiting": 0,  # only waiting (wait_published), closed to make room
             "refused_full": 0,  # newcomers refused: max_connections, none idle
             "refused_scope": 0,  # requests a credential's role or scope does not allow
             "admin_calls": 0,  # requests that need the admin permission, made by one
@@ -266,6 +276,7 @@ class MetaService:
                 raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
             nursery.start_soon(self._group.run)
             nursery.start_soon(self._reads.run)
+            nursery.start_soon(self._waits.run)
             # the periodic loops: a step that raises is logged, counted and retried
             periodic = partial(run_periodic, log=log)
             nursery.start_soon(periodic, "expire", self._expire, EXPIRE_EVERY)
@@ -325,9 +336,18 @@ class MetaService:
     async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
         return await trio.to_thread.run_sync(partial(fn, *args, **kw), limiter=self.limiter)
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+    def sizes(self) -> dict[str, int]:
+        """How many entries each structure that grows with steps, jobs, requests or
+        connections holds (tests; every one has a bound)."""
+        return {
+            "idem": len(self._idem),
+            "manifests": len(self._manifests),
+            "step_files": len(self._step_files),
+            "authed": len(self._authed),
+            "hello_waits": len(self._hello_waits),
+            **self._waits.sizes(),
+            **self.counters.sizes(),
+        }
 
     # -- connections -------------------------------------------------------------
     @contextmanager
@@ -477,6 +497,7 @@ class MetaService:
         finally:
             conn.closed = True
             self._authed.pop(conn, None)
+            self._waits.drop_conn(conn)  # its waits go with it
         if conn.idle_closed:
             log.debug("closed %s: idle", peer)
 
@@ -515,13 +536,26 @@ class MetaService:
         while refusing newcomers would let clients that went quiet, or a leak of them,
         lock active ranks out until the idle timeout. With every connection busy the
         newcomer is refused (EBUSY, which the client retries on the next replica and
-        after a backoff): closing a busy one would only move its requests to a retry."""
+        after a backoff): closing a busy one would only move its requests to a retry.
+
+        A connection whose only requests in flight are waits, quiet for EVICT_AGE, may go
+        too (else as many long waits as the cap locked newcomers out for hours): its client
+        reconnects and sends its waits again. At most EVICT_PER_S a second (waiters.py):
+        each makes a reconnect that may close another's while connections are wanted past
+        the cap; past that the newcomer is refused as above."""
         if len(self._authed) >= self.max_connections:
             victim = next((c for c in self._authed if c.inflight == 0), None)
             if victim is None:
-                return False
+                now = time.monotonic()
+                if self._waits.may_evict(now):
+                    victim = next((c for c in self._authed if self._waits.evictable(c, now)), None)
+                if victim is None:
+                    return False
+                self._waits.evicted(now)
+                self.stats["evicted_waiting"] += 1
+            else:
+                self.stats["evicted"] += 1
             self._close_idle(victim)
-            self.stats["evicted"] += 1
         self._authed[conn] = None
         return True
 
@@ -592,6 +626,7 @@ class MetaService:
                 return
             slot = self._idem[key] = _Slot()
             slot.binding = binding
+            slot.born = time.monotonic()
             while len(self._idem) > IDEM_KEEP:
                 self._idem.popitem(last=False)
             slot.add(lambda s: conn.reply(rid, s.result, s.error, method))
@@ -612,6 +647,9 @@ class MetaService:
                 started = self.counters.commit_arrived(item[0], item[1])
                 slot.add(lambda _s: self.counters.commit_answered(started))
                 self._group.submit(item, slot)
+                return
+            if method == "wait_published":
+                self._waits.add(conn, slot, *args, **kwargs)
                 return
             if method == "manifest":
                 job, step, only = _manifest_args(*args, **kwargs)
@@ -723,8 +761,6 @@ class MetaService:
             return await self._get_config(*args, **kwargs)
         if method == "manifest":
             return await self._manifest(*args, **kwargs)
-        if method == "wait_published":
-            return await self._wait_published(*args, **kwargs)
         run_once = getattr(self.engine, "run_once", None)
         if key is not None and method in ONCE_METHODS and run_once is not None:
             # applied once whichever replica a retry reaches: the key and the answer are
@@ -735,20 +771,21 @@ class MetaService:
             result = await self._run(getattr(self.engine, method), *args, **kwargs)
         if method == "abort":
             self.counters.step_state(result["job"], result["step"], result["state"])
+            if result["state"] != "open":
+                self._waits.settle((result["job"], result["step"]), result)
         elif method == "expire":
             for job, step in result or ():
                 self.counters.step_state(job, step, "aborted")
-        if method in ("abort", "expire", "begin"):
-            self._notify()
+            self._waits.poke(result or ())
         if method in ("delete_checkpoint", "retain", "apply_retention"):
             self._forget_job(args[0] if args else kwargs["job"])
         return result
 
     def _forget_job(self, job: str) -> None:
         """Drop cached manifests and states of a job whose steps were deleted."""
-        for cache in (self._manifests, self._terminal):
-            for key in [k for k in cache if k[0] == job]:
-                del cache[key]
+        for key in [k for k in self._manifests if k[0] == job]:
+            del self._manifests[key]
+        self._waits.forget_job(job)
 
     async def _get_config(self) -> dict:
         return absolute_config(await self._run(self.engine.get_config), self.base_dir)
@@ -756,7 +793,6 @@ class MetaService:
     # -- group commit ------------------------------------------------------------
     def _acknowledge(self, batch: list, results: list) -> None:
         """A written group commit (on the loop): answers, terminal states, manifests."""
-        changed = False
         encoded: dict[int, msgspec.Raw] = {}  # ranks of a step share one answer object
         self.counters.batch(len(batch))
         for (item, slot), res in zip(batch, results, strict=True):
@@ -766,19 +802,16 @@ class MetaService:
                 key = (res["job"], res["step"])
                 self.counters.step_state(res["job"], res["step"], res["state"])
                 self._remember_files(key, item, res)
-                if res["state"] != "open" and key not in self._terminal:
-                    self._terminal[key] = res
-                    changed = True
-                    if res["state"] == "published" and self._nursery is not None:
+                if res["state"] != "open" and key not in self._waits.terminal:
+                    if res["state"] == "published":
                         self._forget_job(key[0])  # retention may have deleted old steps
-                        self._terminal[key] = res
+                    self._waits.settle(key, res)  # kept, and its waiters answered
+                    if res["state"] == "published" and self._nursery is not None:
                         self._nursery.start_soon(self._prebuild, *key)
                 raw = encoded.get(id(res))
                 if raw is None:
                     raw = encoded[id(res)] = msgspec.Raw(encode(res))
                 slot.set(raw)
-        if changed:
-            self._notify()
 
     def _remember_files(self, key: tuple[str, int], item: tuple, res: dict) -> None:
         if res["state"] == "aborted":
@@ -796,33 +829,10 @@ class MetaService:
         for job, step in expired or ():
             self.counters.step_state(job, step, "aborted")
         if expired:
-            self._notify()
-
-    # -- waiting -------------------------------------------------------------------
-    async def _wait_published(
-        self,
-        job: str,
-        step: int,
-        timeout: float = 60.0,  # noqa: ASYNC109 - the RPC's argument, not a trio timeout
-    ) -> dict:
-        if not isinstance(timeout, int | float) or timeout < 0:
-            raise MetaError(errno.EINVAL, "timeout must be a non-negative number")
-        deadline = trio.current_time() + min(float(timeout), 86400.0)
-        poll = 0.05
-        while True:
-            info = self._terminal.get((job, step))
-            if info is None:
-                info = await self._run(self.engine.step_state, job, step)
-                if info["state"] != "open":
-                    self._terminal[(job, step)] = info
-            if info["state"] != "open":
-                return info
-            now = trio.current_time()
-            if now >= deadline:
-                raise MetaError(errno.ETIMEDOUT, f"{job} step {step} not published in {timeout}s")
-            with trio.move_on_after(min(poll, deadline - now)):
-                await self._changed.wait()  # a local publish/abort, or poll the database
-            poll = min(poll * 2, 1.0)
+            self._waits.poke(expired)
+        old = time.monotonic() - IDEM_KEEP_S  # keyed outcomes past their age (IDEM_KEEP_S)
+        while self._idem and next(iter(self._idem.values())).born < old:
+            self._idem.popitem(last=False)
 
     # -- manifests -------------------------------------------------------------------
     async def _prebuild(self, job: str, step: int) -> None:
@@ -834,7 +844,7 @@ class MetaService:
         another service, or before a restart) read the step from the engine."""
         key = (job, step)
         files = self._step_files.pop(key, None)
-        head = self._terminal.get(key)
+        head = self._waits.terminal.get(key)
         if files and head and len(files) == head["world_size"] and key not in self._manifests:
             entry = self._manifests[key] = _Slot()
             head = {k: v for k, v in head.items() if k != "duplicate"}

@@ -66,6 +66,14 @@ class ServiceStats:
         self._first_commit: OrderedDict[tuple[str, int], float] = OrderedDict()
         self._counted: OrderedDict[tuple[str, int], None] = OrderedDict()
 
+    def sizes(self) -> dict[str, int]:
+        """Entries of the structures that grow with steps and methods (all bounded)."""
+        return {
+            "first_commit": len(self._first_commit),
+            "counted": len(self._counted),
+            "replies": len(self.replies),
+        }
+
     def reply(self, method: str, error: BaseException | None) -> None:
         """A request answered (from _Conn.reply)."""
         if method not in REMOTE_METHODS:
