@@ -449,10 +449,18 @@ class MetaEngine(ABC):
         pass
 
     # -- change feed ----------------------------------------------------------------------
-    def changes_since(self, after: int | None, limit: int = 4096) -> tuple[int, int, list]:
+    def changes_since(self, after: int | None, limit: int = 4096, xacts: bool = False) -> tuple:
         """The inodes changed since sequence number `after`, for clients that cache
         metadata (metadata/sql/changes.py): (oldest, newest, [[seq, ino], ...]). ENOSYS where
-        there is no change log: such a client keeps its caches short instead."""
+        there is no change log: such a client keeps its caches short instead.
+
+        A number may be missing below listed ones while the transaction that took it runs
+        (PostgreSQL), for as long as it runs. xacts=True adds, from the same snapshot,
+        (xmin, next): the oldest transaction id still running and one past every id handed
+        out. A number missing below a listed record of this read is final (rolled back, if
+        still missing) once a later read from at or below it has xmin >= this read's next.
+        Engines without concurrent writers answer 0, 0. Callers that do not pass xacts
+        (older clients) get the 3-tuple; older services refuse it (EINVAL)."""
         raise MetaError(errno.ENOSYS, "this metadata engine keeps no change log")
 
     # -- hooks for a long-running frontend (the mount) ------------------------------------

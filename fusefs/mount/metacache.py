@@ -58,7 +58,7 @@ FEED_POLL_S = 0.5  # how often the change log is read
 FEED_BOUND_S = 1.0  # the documented bound: a change elsewhere is seen here within this
 FEED_LIMIT = 4096  # records read per query
 FEED_DOWN_S = 5.0  # the log unreadable this long: short timeouts until it is read again
-HOLE_WAIT_S = 5.0  # a missing sequence number older than this was rolled back
+HOLE_WAIT_S = 5.0  # a service without xacts: a number missing this long was rolled back
 ATTRS_MAX = 1 << 18  # daemon cache sizes before entries the kernel does not hold go
 NAMES_MAX = 1 << 18
 NEGATIVE_MAX = 1 << 16  # names cached as absent; past this, negative replies are not cached
@@ -81,7 +81,11 @@ class MetaCache:
         self.gen = 0  # bumped by every invalidation: a read that saw it change is suspect
         self.floor = 0  # every log record up to here is applied
         self.above: set[int] = set()  # applied records past the floor
-        self.holes: dict[int, float] = {}  # records past the floor not seen yet: since when
+        # records past the floor not seen yet: the `next` bound of the read that found
+        # them (xacts), or since when (a service that cannot say: HOLE_WAIT_S)
+        self.holes: dict[int, float] = {}
+        self.xacts = True  # the log's reads say which transactions may still commit
+        self.settling: int | None = None  # until xmin reaches this: writers of the start
         self._last_read = 0.0
         self.polls = 0
         self.invalidated = 0
@@ -194,7 +198,8 @@ class MetaCache:
         """Follow the metadata's change log for as long as the mount runs."""
         while True:
             try:
-                _, newest, _ = await meta(engine.changes_since, None)
+                got = await self._read_log(meta, engine, None)
+                newest = got[1]
                 break
             except MetaError as e:
                 if e.errno in (errno.ENOSYS, errno.EINVAL, errno.EPROTO):
@@ -205,7 +210,11 @@ class MetaCache:
                 log.warning("change feed not readable yet: %s", e)
             await trio.sleep(FEED_DOWN_S)
         self.floor = newest
-        self.live = True
+        # Numbers up to `newest` that transactions running now took are not read (the log
+        # is read from `newest` on): until those transactions have ended, nothing is
+        # cached (short timeouts), so none of them can leave a stale entry behind.
+        self.settling = got[4] if self.xacts and got[3] < got[4] else None
+        self.live = self.settling is None
         self._last_read = time.monotonic()
         await run_periodic(
             "change_feed", partial(self.poll, meta, engine), FEED_POLL_S, log=log,
@@ -219,14 +228,34 @@ class MetaCache:
             self.live = False
 
     def _feed_read(self) -> None:
-        self.live = True
+        self.live = self.settling is None
+
+    async def _read_log(self, meta: Meta, engine: MetaEngine, after: int | None) -> tuple:
+        """One read of the log: (oldest, newest, rows, xmin, next); xmin and next are None
+        from a service that cannot say (one older than xacts: it refuses the argument)."""
+        if self.xacts:
+            try:
+                return tuple(
+                    await meta(partial(engine.changes_since, xacts=True), after, FEED_LIMIT)
+                )
+            except MetaError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.info("change feed: the metadata cannot say which writers run (%s): "
+                         "a missing record is waited for %.0f s", e, HOLE_WAIT_S)  # fmt: skip
+                self.xacts = False
+                self.settling = None
+                self.holes = dict.fromkeys(self.holes, time.monotonic())
+        oldest, newest, rows = await meta(engine.changes_since, after, FEED_LIMIT)
+        return oldest, newest, rows, None, None
 
     async def poll(self, meta: Meta, engine: MetaEngine) -> None:
         """Read the log past the floor and apply what other clients changed."""
         changed: set[int] = set()
         after = self.floor
+        first: tuple[int | None, float] | None = None  # the first read's xmin and reach
         while True:
-            oldest, newest, rows = await meta(engine.changes_since, after, FEED_LIMIT)
+            oldest, newest, rows, xmin, nxt = await self._read_log(meta, engine, after)
             if after == self.floor and oldest > self.floor + 1 and newest:
                 await self._apply_all(newest)  # the log was pruned past us: start over
                 return
@@ -234,32 +263,44 @@ class MetaCache:
                 if seq not in self.above:
                     self.above.add(seq)
                     changed.add(ino)
+            if rows:  # numbers this read passed over: holes, found by this read
+                now = time.monotonic()
+                for seq in range(after + 1, rows[-1][0]):
+                    if seq not in self.above and seq not in self.holes:
+                        self.holes[seq] = now if nxt is None else nxt
+            if first is None:  # it read everything past the floor up to its reach
+                first = xmin, rows[-1][0] if len(rows) == FEED_LIMIT else float("inf")
             if len(rows) < FEED_LIMIT:
                 break
             after = rows[-1][0]
         self._last_read = time.monotonic()
-        self._advance()
+        assert first is not None
+        if not self.xacts:  # the service changed to one that cannot say, mid-poll
+            first = None, first[1]
+        if self.settling is not None and first[0] is not None and first[0] >= self.settling:
+            self.settling = None  # every writer running at the start has ended
+        self._advance(*first)
         self.polls += 1
         if changed:
             await self._apply(meta, engine, changed)
 
-    def _advance(self) -> None:
-        """Move the floor over applied records, and over holes that stayed empty for
-        HOLE_WAIT_S (a rolled-back transaction's number; with concurrent writers a
-        record may appear after higher ones, so a hole is waited for first)."""
+    def _advance(self, xmin: int | None, reach: float) -> None:
+        """Move the floor over applied records and final holes. A hole is final once the
+        transaction that took its number has ended (metadata/sql/changes.py): `xmin`, from
+        the poll's first read, which read every number up to `reach`, is at or past the
+        bound noted when the hole was found; that read still not listing it means it was
+        rolled back. From a service that cannot say, a hole empty for HOLE_WAIT_S."""
         now = time.monotonic()
-        top = max(self.above, default=self.floor)
-        for seq in range(self.floor + 1, top):
-            if seq not in self.above:
-                self.holes.setdefault(seq, now)
         while True:
             nxt = self.floor + 1
             if nxt in self.above:
                 self.above.discard(nxt)
-            elif nxt in self.holes and now - self.holes[nxt] > HOLE_WAIT_S:
-                del self.holes[nxt]
-            else:
-                return
+            elif nxt not in self.holes:
+                return  # past everything read
+            elif xmin is None and now - self.holes[nxt] > HOLE_WAIT_S:
+                pass
+            elif xmin is None or nxt > reach or xmin < self.holes[nxt]:
+                return  # its transaction may still commit it
             self.floor = nxt
             self.holes.pop(nxt, None)
 

@@ -9,12 +9,32 @@ ctime, nlink), a file's new content or attributes its own row. New inodes are IN
 and need no record: nobody caches them yet, and their directory's row changes. A client
 polls `changes_since` and invalidates what it caches for the inodes listed.
 
-Sequence numbers are the log's row ids. Writers are serialized (SQLite; PostgreSQL's one
-write lock), so they are committed in order; a client that reads past a number it has
-not seen must still wait a moment for it where writers run concurrently (it may be a
-transaction not committed yet), which `fusefs.mount.metacache` does. The log keeps the
-last KEEP records, pruned by a trigger every PRUNE_EVERY; a client that fell further
-behind (asleep, disconnected) learns it from `changes_since` and drops all it caches.
+Sequence numbers are the log's row ids, taken when the row is written, not at commit, so
+where writers run concurrently a number can show up after higher ones (its transaction
+commits later) or never (it rolled back). A client reads past a number it has not seen
+and keeps it as a hole until it knows the number is final:
+
+- SQLite: none are in flight. Writers are serialized (BEGIN IMMEDIATE) and a number is
+  max + 1 inside the writer's transaction, so numbers are committed in order, and a
+  rolled-back one is taken again by the next writer: a reader never sees a hole.
+- PostgreSQL: writers run side by side (engines/postgres.py) and numbers come from a
+  sequence, so holes are real, and one lasts as long as the transaction that took it,
+  however long that is. `changes_since(..., xacts=True)` says, from the same snapshot as
+  the records, which transactions may still commit: `xmin`, the oldest transaction id
+  still running, and `next`, one past every transaction id handed out so far. A hole
+  below a record in a read was taken by a transaction that had its id (the trigger runs
+  after its UPDATE) before that record's transaction committed, so before the read: its
+  id is below that read's `next`. Once a later read's `xmin` is at or past that bound,
+  the transaction has ended; a hole that read still does not list was rolled back. (A
+  snapshot's own xmax is not that bound: it is one past the newest *finished*
+  transaction, and a transaction that took an id after it but is still running is above
+  it. `next` is read without taking an id: age(x) counts from the next id.) The reader
+  takes no id and no lock: a poll stays one read-only statement.
+
+`fusefs.mount.metacache` keeps the holes and waits each out exactly that long. The log
+keeps the last KEEP records, pruned by a trigger every PRUNE_EVERY; a client that fell
+further behind (asleep, disconnected) learns it from `changes_since` and drops all it
+caches.
 
 Cost: one row (~20 bytes, appended to one B-tree page) per inode update. A group commit
 updates the rows of the few directories that existed before it, not its new files'.
@@ -58,6 +78,16 @@ POSTGRES_DDL = [
 ]
 
 
+# The records and the transactions that may still commit a number, in one snapshot (a
+# statement's subqueries share it at READ COMMITTED; age() reads the next id after it).
+PG_READ = """SELECT (SELECT COALESCE(MIN(seq), 0) FROM changes),
+        (SELECT COALESCE(MAX(seq), 0) FROM changes),
+        pg_snapshot_xmin(q.s)::text::bigint,
+        pg_snapshot_xmin(q.s)::text::bigint + age(xid(pg_snapshot_xmin(q.s))),
+        ARRAY(SELECT ARRAY[seq, ino] FROM changes WHERE seq > ? ORDER BY seq LIMIT ?)
+    FROM (SELECT pg_current_snapshot() AS s) AS q"""
+
+
 class ChangeLogMixin(SqlCore):
     """`changes_since` and the log's schema, on SqlEngine's connection and helpers."""
 
@@ -68,23 +98,38 @@ class ChangeLogMixin(SqlCore):
         for stmt in self.CHANGES_DDL:
             self._x(c, stmt)
 
-    def changes_since(self, after: int | None, limit: int = 4096) -> tuple[int, int, list]:
+    def changes_since(self, after: int | None, limit: int = 4096, xacts: bool = False) -> tuple:
         """(oldest, newest, records): the log's oldest and newest sequence numbers kept
         (0, 0 when empty) and up to `limit` records [seq, ino] past `after`, oldest first.
         after=None: no records, only where the log stands (a client's starting point).
-        A client whose `after` is below oldest - 1 missed records: they were pruned."""
-        with self._read() as c:
-            lo, hi = self._one(
-                c, "SELECT COALESCE(MIN(seq), 0), COALESCE(MAX(seq), 0) FROM changes"
-            )
-            rows: list = []
-            if after is not None:
-                rows = [
-                    [int(s), int(i)]
-                    for s, i in self._x(
-                        c,
-                        "SELECT seq, ino FROM changes WHERE seq > ? ORDER BY seq LIMIT ?",
-                        (int(after), max(1, min(int(limit), 65536))),
-                    ).fetchall()
-                ]
+        A client whose `after` is below oldest - 1 missed records: they were pruned.
+
+        xacts=True: (oldest, newest, records, xmin, next), all from one snapshot: a number
+        missing below a listed record is final once a later read's xmin >= this read's
+        next (module docstring). SQLite answers 0, 0: every number is final at once."""
+        n = max(1, min(int(limit), 65536))
+        if self.CHANGES_DDL is POSTGRES_DDL:
+            with self._read() as c:  # one statement: one snapshot for all of it
+                lo, hi, xmin, nxt, rows = self._one(
+                    c, PG_READ, (1 << 62 if after is None else int(after), n)
+                )
+            rows = [[int(s), int(i)] for s, i in rows or ()]
+        else:
+            xmin = nxt = 0
+            with self._read() as c:
+                lo, hi = self._one(
+                    c, "SELECT COALESCE(MIN(seq), 0), COALESCE(MAX(seq), 0) FROM changes"
+                )
+                rows = []
+                if after is not None:
+                    rows = [
+                        [int(s), int(i)]
+                        for s, i in self._x(
+                            c,
+                            "SELECT seq, ino FROM changes WHERE seq > ? ORDER BY seq LIMIT ?",
+                            (int(after), n),
+                        ).fetchall()
+                    ]
+        if xacts:
+            return int(lo), int(hi), rows, int(xmin), int(nxt)
         return int(lo), int(hi), rows
