@@ -146,6 +146,15 @@ class MaintenanceMixin(SqlCore):
                 [(r[0], cutoff) for r in rows],
             )
             self._drop_inline(c, [bytes(r[0]) for r in rows])
+            # Their leases end with them: `missing_chunks` leases only ids without a row, so
+            # every lease on these predates the registration that made the row; a writer
+            # still holding one stopped renewing it at that registration, and its commit,
+            # if it comes, is refused once gc dooms the object (leases.py). A lease left
+            # live would keep gc's object sweep off the object for the rest of its TTL.
+            c.executemany(
+                self._q("DELETE FROM chunk_leases WHERE id = ?"),  # type: ignore[attr-defined]
+                [(r[0],) for r in rows],
+            )
             self._ensure_ur(c)
             c.executemany(
                 self._q("DELETE FROM under_replicated WHERE chunk = ?"),  # type: ignore[attr-defined]
