@@ -235,6 +235,11 @@ class VolumeCollector(Collector):
             total("upload_rate_bps"),
         )
         yield _counter(
+            "tier_housekeeping_failures",
+            "Tier housekeeping passes (rescan, status, compaction) that failed (retried)",
+            total("housekeeping_failures"),
+        )
+        yield _counter(
             "tier_upload_failures",
             "Upload attempts that failed (retried)",
             total("upload_failures"),

@@ -231,7 +231,8 @@ def _every_family() -> dict[str, str]:
     )  # fmt: skip
     stats = dict.fromkeys(
         ["pending_chunks", "pending_bytes", "to_upload_chunks", "uploaded_chunks",
-         "uploaded_bytes", "upload_rate_bps", "upload_failures", "lost_chunks",
+         "uploaded_bytes", "upload_rate_bps", "upload_failures", "housekeeping_failures",
+         "lost_chunks",
          "writer_waits", "used_bytes", "cached_bytes", "budget_bytes", "cache_hits",
          "cache_misses"], 0,
     )  # fmt: skip

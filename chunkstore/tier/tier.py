@@ -157,7 +157,9 @@ class WriteBehindTier(Recovery):
         self.last_error = ""
         self.lost = 0
         self.waits = 0  # writers that had to wait for space
+        self.housekeeping_failures = 0  # passes that raised (logged, retried next pass)
         self._rate: deque[tuple[float, int]] = deque()
+        self._born = time.monotonic()  # the upload rate averages over min(10 s, its age)
         self._rescan()
         self._clean_tmp()
         self.adopt_orphans()
@@ -754,10 +756,12 @@ class WriteBehindTier(Recovery):
             except OSError as e:
                 # A full or failing disk: an expected condition, reported once (the pass
                 # retries), without a traceback, until a status write succeeds again.
+                self.housekeeping_failures += 1
                 if str(e) != failing:
                     failing = str(e)
                     log.error("write-behind housekeeping in %s: %s", self.root, e)
             except Exception:  # a bug: keep housekeeping alive; the next pass retries
+                self.housekeeping_failures += 1
                 log.exception("write-behind housekeeping failed")
 
     def _rescan(self) -> None:
@@ -785,7 +789,9 @@ class WriteBehindTier(Recovery):
         with self._cond:
             while self._rate and now - self._rate[0][0] > 10.0:
                 self._rate.popleft()
-            rate = sum(n for _, n in self._rate) / 10.0
+            # over the last 10 s, or over the tier's life while it is younger: a tier that
+            # began uploading 2 s ago does not read as a fifth of its rate
+            rate = sum(n for _, n in self._rate) / max(0.5, min(10.0, now - self._born))
             oldest = min((t for _, t in self._pending.values()), default=None)
             to_upload = len(self._queue) + len(self._uploading)
             return {
@@ -809,6 +815,7 @@ class WriteBehindTier(Recovery):
                 "uploaded_bytes": self.uploaded_bytes,
                 "upload_rate_bps": rate,
                 "upload_failures": self.failures,
+                "housekeeping_failures": self.housekeeping_failures,
                 "last_error": self.last_error,
                 "writer_waits": self.waits,
                 "lost_chunks": self.lost,
