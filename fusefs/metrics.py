@@ -58,7 +58,8 @@ def _gauge(name: str, doc: str, value: float | None = None, labels=()) -> GaugeM
 
 def _periodic_failures() -> CounterMetricFamily:
     """The daemon's periodic tasks (metadata.periodic) whose step raised, by task name (a
-    fixed set: backup, expire, prune_requests, idle_reaper, housekeeping, change_feed)."""
+    fixed set: backup, expire, prune_requests, idle_reaper, tokens, silent_backends,
+    housekeeping, change_feed)."""
     fam = _counter(
         "periodic_failures", "Periodic task steps that failed (retried)", labels=["task"]
     )

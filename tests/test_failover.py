@@ -176,3 +176,49 @@ def test_a_replica_stopped_inside_a_transaction_does_not_block_the_retry(replica
     for x in (c, only_a):
         x.close()
     print(f"answer after a stopped replica's transaction was released: {took:.2f} s")
+
+
+def test_a_replica_stopped_mid_copy_is_ended_by_the_others(replicas):
+    """A replica stopped in the middle of a COPY (a group commit's bulk insert) is not idle
+    in its transaction: its backend waits for data that never comes, holding its locks.
+    Every replica ends such a backend after SILENT_COPY_S (engines/postgres.py), so a
+    request needing those locks goes through within seconds, not at the resume."""
+    from metadata.engines.postgres import SILENT_COPY_S
+
+    a, _b, pg_url = replicas
+    cl = connect(_url(a))
+    target = cl.create(ROOT_INO, b"locked", REG, 0, 0).ino
+    holding, resume = threading.Event(), threading.Event()
+    pid: list[int] = []
+    ended: list[BaseException] = []
+
+    def stuck_copy() -> None:
+        """What a stopped replica's connection looks like: a row locked, a COPY begun and
+        never finished (the process would be stopped here; this thread just waits)."""
+        try:
+            with psycopg.connect(pg_url) as conn, conn.cursor() as cur:
+                pid.append(conn.info.backend_pid)
+                cur.execute("SELECT 1 FROM inodes WHERE ino = %s FOR UPDATE", (target,))
+                with cur.copy("COPY xattrs (ino, name, value) FROM STDIN") as cp:
+                    cp.write_row((target, b"user.half", b"written"))
+                    holding.set()
+                    resume.wait(60)  # "continued": finishing the COPY finds it ended
+        except BaseException as e:  # noqa: BLE001 - the termination is the expected end
+            ended.append(e)
+
+    t = threading.Thread(target=stuck_copy, daemon=True)
+    t.start()
+    assert holding.wait(10)
+    t0 = time.monotonic()
+    cl.setattr(target, mode=stat.S_IFREG | 0o600)  # needs the row the stuck COPY locked
+    took = time.monotonic() - t0
+    assert took < SILENT_COPY_S + 8, took
+    with psycopg.connect(pg_url) as conn:
+        alive = conn.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid[0],))
+        assert alive.fetchone() is None  # the stuck backend was ended
+    resume.set()
+    t.join(20)
+    assert ended and isinstance(ended[0], psycopg.Error), ended  # its transaction is gone
+    assert stat.S_IMODE(cl.getattr(target).mode) == 0o600
+    assert cl.list_xattr(target) == []  # the stuck transaction rolled back
+    cl.close()

@@ -115,6 +115,10 @@ RECONNECT_WINDOW_S = DB_WAIT_S  # how long a lost database is waited for before 
 # and advisory locks that the request retried on another replica waits for: the database
 # lets go of it within seconds (docs/metadata-replicas.md, "When a replica hangs").
 IDLE_IN_TX_S = 5.0  # idle_in_transaction_session_timeout: no statement for this long in a tx
+# A replica stopped in the middle of a COPY is not idle (its backend waits to read the
+# rest of the data, and its kernel still acknowledges): every replica ends such a backend
+# once its COPY has run this long (a 16k-rank group commit's COPY takes well under 1 s).
+SILENT_COPY_S = 8.0
 KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, probes, both ways: a vanished host ~11 s
 USER_TIMEOUT_MS = 11000  # tcp_user_timeout, both ways: data unacknowledged this long
 # libpq's side (the replica finds the database gone); a URL's own values win
@@ -290,6 +294,27 @@ class PostgresEngine(SqlEngine):
             "GREATEST(2, (SELECT COALESCE(MAX(ino), 1) + 1 FROM inodes)), false); END $$"
         )
         return out
+
+    def end_silent_backends(self, after_s: float = SILENT_COPY_S) -> list[int]:
+        """End this database's backends stuck in a COPY that waits for its client's data for
+        longer than `after_s` (a replica stopped mid-COPY: its transaction's locks would
+        hold every retried request until it resumed); their pids. The service runs it
+        every couple of seconds; the stopped replica's transaction rolls back, and its
+        client's request, resent to another replica, applies once."""
+        with self._read() as c:
+            rows = self._x(
+                c,
+                "SELECT pid, pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                "AND backend_type = 'client backend' AND state = 'active' "
+                "AND wait_event = 'ClientRead' AND query ILIKE 'COPY %' "
+                "AND query_start < now() - make_interval(secs => ?)",
+                (float(after_s),),
+            ).fetchall()
+        ended = [int(r[0]) for r in rows if r[1]]
+        for pid in ended:
+            log.warning("ended PostgreSQL backend %d: a COPY silent for %.0f s", pid, after_s)
+        return ended
 
     def _alloc_inos(self, c: Any, n: int) -> list[int]:
         """Reserve n inode numbers from the identity sequence (other services share it)."""

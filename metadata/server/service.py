@@ -105,6 +105,7 @@ MANIFESTS_KEEP = 8
 STEP_FILES_KEEP = 4  # open steps whose commits are kept for the manifest
 EXPIRE_EVERY = 0.5
 PRUNE_EVERY = 60.0  # seconds between deletions of request ids past requests.REQUEST_KEEP_S
+SILENT_CHECK_S = 2.0  # seconds between looks for backends stuck in a silent replica's COPY
 IDLE_CHECK_MAX = 5.0  # seconds between two walks of the idle connections, at most
 ACCEPT_PAUSE = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 ACCEPT_SLEEP = 0.1
@@ -288,6 +289,10 @@ class MetaService:
                 await self._run(self.access.reload)
                 tokens = partial(self._run, self.access.reload)
                 nursery.start_soon(periodic, "tokens", tokens, ACCESS_POLL_S)
+            if getattr(self.engine, "end_silent_backends", None) is not None:
+                # a replica stopped mid-COPY holds locks no timeout ends (engines/postgres.py)
+                silent = partial(self._run, self.engine.end_silent_backends)
+                nursery.start_soon(periodic, "silent_backends", silent, SILENT_CHECK_S)
             nursery.start_soon(periodic, "idle_reaper", self._reap_idle, every)
             bound = listeners[0].socket.getsockname()[1]
             for listener in listeners:  # accepted here as plain sockets (conn.py says why)
