@@ -153,16 +153,20 @@ def test_gc_condemns_only_unleased_and_commits_on_doomed_chunks_are_refused(meta
 
 
 def test_condemned_rows_of_an_older_volume_stay_condemned(tmp_path):
-    """Before chunk_doomed, a condemnation was a chunk_leases row of expires <= 0: an
-    older volume opened by this version keeps refusing commits on them."""
+    """Before leases were packed, a lease was a chunk_leases row per id (expires > 0 live,
+    <= 0 condemned or lapsed): an older volume opened by this version keeps refusing
+    commits on the condemned and keeps the live leases, and the old table goes."""
     path = str(tmp_path / "vol")
     vol = Volume.create(path, nodes=2)
     cid = _cid(b"old-doom")
+    live = _cid(b"old-lease")
     with vol.meta._tx() as c:
         c.execute("DROP TABLE chunk_doomed")
-        c.execute(
+        c.execute("DROP TABLE lease_grants")
+        c.execute("CREATE TABLE chunk_leases (id BLOB PRIMARY KEY, expires INTEGER NOT NULL)")
+        c.executemany(
             "INSERT INTO chunk_leases (id, expires) VALUES (?, ?)",
-            (cid, -(time.time_ns() + 60 * 10**9)),
+            [(cid, -(time.time_ns() + 60 * 10**9)), (live, time.time_ns() + 600 * 10**9)],
         )
     vol.close()
     vol = Volume.open(path)
@@ -170,5 +174,12 @@ def test_condemned_rows_of_an_older_volume_stay_condemned(tmp_path):
         ino = _file(vol.meta, "f")
         with pytest.raises(MetaError, match="condemned by gc"):
             vol.meta.commit_file(ino, [Extent(0, 4, cid)], 4, [NewChunk(cid, 4, 4, DURABLE)])
+        # a live lease of the old table still keeps gc off its object
+        assert vol.meta.gc_orphan_objects([live], 60.0) == set()
+        with vol.meta._read() as c:
+            assert (
+                c.execute("SELECT 1 FROM sqlite_master WHERE name = 'chunk_leases'").fetchone()
+                is None
+            )
     finally:
         vol.close()

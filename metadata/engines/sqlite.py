@@ -62,8 +62,12 @@ SCHEMA = [
     # (index) B-tree keeps a quarter page and spills the rest into an overflow page of its
     # own (measured at 16 KB pages: 830 against 990 small files/s).
     """CREATE TABLE IF NOT EXISTS inline_data (id BLOB PRIMARY KEY, data BLOB NOT NULL)""",
-    # leases of chunks stored and not yet committed (metadata/sql/leases.py)
-    """CREATE TABLE IF NOT EXISTS chunk_leases (id BLOB PRIMARY KEY, expires INTEGER NOT NULL)""",
+    # leases of chunks stored and not yet committed (metadata/sql/leases.py): grants are
+    # appended, one row of packed ids each; ends are rare (a save given up, a row gc deleted)
+    """CREATE TABLE IF NOT EXISTS lease_grants (
+        seq INTEGER PRIMARY KEY, granted INTEGER NOT NULL, expires INTEGER NOT NULL,
+        ids BLOB NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS lease_ends (id BLOB PRIMARY KEY, at INTEGER NOT NULL)""",
     # what gc condemned, until its deadline (metadata/sql/leases.py); empty but for failed writers
     """CREATE TABLE IF NOT EXISTS chunk_doomed (id BLOB PRIMARY KEY, deadline INTEGER NOT NULL)""",
     # scoped credentials, hashed (metadata/sql/tokens.py); not dumped onto the nodes

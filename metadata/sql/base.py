@@ -177,7 +177,9 @@ class SqlEngine(
     UPGRADES = {"inodes": {"alloc": "INTEGER NOT NULL DEFAULT -1"}}
     # tables since the first volumes (made from `_ddl` at open: made lazily, inside a
     # writer's transaction, one held the schema lock for every other writer's first call)
-    TABLES_ADDED = ("inline_data", "chunk_leases", "chunk_doomed", "tokens", "token_state")
+    TABLES_ADDED = (
+        "inline_data", "chunk_doomed", "lease_grants", "lease_ends", "tokens", "token_state"
+    )  # fmt: skip
 
     def _upgrade_schema(self) -> None:
         """Add the columns a volume made by an older version lacks; called at open, before
@@ -205,16 +207,26 @@ class SqlEngine(
                 for table in tables:  # IF NOT EXISTS: another process may have made it
                     (stmt,) = [s for s in self._ddl() if f" EXISTS {table} (" in s]
                     self._x(c, stmt)
-                if "chunk_doomed" in tables and "chunk_leases" not in tables:
-                    # Before chunk_doomed, gc's condemnations were chunk_leases rows of
-                    # expires <= 0 (condemned: -deadline; lapsed or released: 0). Kept as
-                    # doomed (released for 0): a commit on them stays refused (leases.py).
-                    self._x(
-                        c,
-                        "INSERT INTO chunk_doomed (id, deadline) SELECT id, -expires "
-                        "FROM chunk_leases WHERE expires <= 0 ON CONFLICT (id) DO NOTHING",
-                    )
-                    self._x(c, "DELETE FROM chunk_leases WHERE expires <= 0")
+                if self._has(c, "chunk_leases", "*"):
+                    self._drop_chunk_leases(c)
+
+    def _drop_chunk_leases(self, c: Any) -> None:
+        """A volume made before leases were packed (sql/leases.py) kept a row per leased
+        id in chunk_leases: expires > 0 a live lease, < 0 condemned until -expires, 0
+        lapsed (or released by gc). Live ones become grants, the others stay refused at
+        commit as doomed (released for 0), and the table goes."""
+        now = time.time_ns()
+        self._x(
+            c,
+            "INSERT INTO chunk_doomed (id, deadline) SELECT id, -expires "
+            "FROM chunk_leases WHERE expires <= 0 ON CONFLICT (id) DO NOTHING",
+        )
+        live = self._x(c, "SELECT id, expires FROM chunk_leases WHERE expires > ?", (now,))
+        c.executemany(
+            self._q("INSERT INTO lease_grants (granted, expires, ids) VALUES (?, ?, ?)"),
+            [(now, int(exp), bytes(cid)) for cid, exp in live.fetchall()],
+        )
+        self._x(c, "DROP TABLE chunk_leases")
 
     def _add_columns(self, c: Any, table: str, cols: dict[str, str]) -> None:
         """Add each column of `cols` (name -> declaration) that `table` lacks (checked

@@ -151,10 +151,7 @@ class MaintenanceMixin(SqlCore):
             # still holding one stopped renewing it at that registration, and its commit,
             # if it comes, is refused once gc dooms the object (leases.py). A lease left
             # live would keep gc's object sweep off the object for the rest of its TTL.
-            c.executemany(
-                self._q("DELETE FROM chunk_leases WHERE id = ?"),  # type: ignore[attr-defined]
-                [(r[0],) for r in rows],
-            )
+            self._end_leases(c, [bytes(r[0]) for r in rows], time.time_ns())
             self._ensure_ur(c)
             c.executemany(
                 self._q("DELETE FROM under_replicated WHERE chunk = ?"),  # type: ignore[attr-defined]

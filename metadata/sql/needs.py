@@ -50,6 +50,7 @@ class SqlCore(Protocol):
     # -- leases (leases.py) ----------------------------------------------------------------
     _grant_leases: Callable[[Cursor, list[bytes], int], None]
     _refuse_doomed: Callable[[Cursor, Iterable[bytes]], None]
+    _end_leases: Callable[[Cursor, list[bytes], int], None]
     # -- checkpoints (checkpoints.py) ------------------------------------------------------
     _ckpt_read: Callable[[], AbstractContextManager[Cursor]]
     _ckpt_ddl: Callable[[], list[str]]
