@@ -9,7 +9,6 @@ nothing but throwaway test data, and nobody outside the machine can reach it.
 
 from __future__ import annotations
 
-import glob
 import ipaddress
 import itertools
 import os
@@ -22,22 +21,9 @@ import threading
 from collections.abc import Sequence
 
 from bench.servers import ServerError, free_port
+from fusefs.cli.pg import pg_bin
 
-
-def _find_bin() -> str:
-    if os.environ.get("CKPTFS_PG_BIN"):
-        return os.environ["CKPTFS_PG_BIN"]
-    found = sorted(
-        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-        key=lambda p: int(p.split("/")[-3]) if p.split("/")[-3].isdigit() else 0,
-    )
-    if found:
-        return os.path.dirname(found[-1])
-    which = shutil.which("initdb")
-    return os.path.dirname(which) if which else "/usr/lib/postgresql/15/bin"
-
-
-PG_BIN = _find_bin()
+PG_BIN = pg_bin() or "/usr/lib/postgresql/15/bin"  # where initdb and pg_ctl are (fusefs.cli.pg)
 
 
 def pg_available() -> str | None:

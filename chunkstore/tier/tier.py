@@ -371,14 +371,12 @@ class WriteBehindTier(Recovery):
                 pass
 
     def _should_drain(self) -> float:
-        """0 when the uploader may go now, else seconds to wait before asking again.
-
-        Uploads yield to foreground work (disk and, on small hosts, CPU and the GIL): they go
-        when the host had no foreground put or batch load for `idle_s`, on flush/close,
-        above `high_water` of the budget in staged bytes, when this process has been busy
-        `max_defer_s` without a lull (not "the oldest chunk waited that long": a job saving
-        every few seconds then drained in the middle of its next save), when only other
-        processes here are busy and a chunk waited that long, or when one waited 4x that."""
+        """0 when the uploader may go now, else seconds to wait before asking again. Uploads
+        yield to foreground work (disk, CPU, the GIL): they go after `idle_s` without a
+        foreground put or batch load, on flush/close, above `high_water` of the budget, when
+        this process has been busy `max_defer_s` without a lull (not "the oldest chunk waited
+        that long": a job saving every few seconds then drained in its next save), when only
+        other processes here are busy and a chunk waited that long, or one waited 4x that."""
         if self._flushing or self._stop.is_set():
             return 0.0
         if self._used - self._cached > self.high_water * self.budget:
@@ -765,15 +763,11 @@ class WriteBehindTier(Recovery):
                 log.exception("write-behind housekeeping failed")
 
     def _rescan(self) -> None:
-        """Resync the space estimate with the directory (other processes stage and evict too).
-        The journals count: their I records hold a second copy of small staged chunks.
-
-        Every second, whatever the cache's size: it costs a stat per cached file (36 ms of
-        CPU for 16k entries, a 64 GiB budget of 4 MiB chunks, in every process with a
-        tier). Scanning the cache less often was tried: each process then counted only its
-        own evictions between scans, so other ranks' evictions left its `_used` over budget,
-        and its next put evicted that phantom excess (a review's repro: one 256 KiB put
-        removed 11 cached chunks)."""
+        """Resync the space estimate with the directory (other processes stage and evict too;
+        the journals' I records hold a second copy of small staged chunks). Every second: a
+        stat per cached file (36 ms of CPU for 16k entries). Scanned less often, a process
+        counted only its own evictions, and its next put evicted other ranks' phantom excess
+        (a review's repro: one 256 KiB put removed 11 cached chunks)."""
         cached = dir_bytes(self.cache.dir)
         used = dir_bytes(self.staged_dir) + cached + dir_bytes(self.journal_dir)
         with self._cond:
@@ -789,8 +783,7 @@ class WriteBehindTier(Recovery):
         with self._cond:
             while self._rate and now - self._rate[0][0] > 10.0:
                 self._rate.popleft()
-            # over the last 10 s, or over the tier's life while it is younger: a tier that
-            # began uploading 2 s ago does not read as a fifth of its rate
+            # over the last 10 s, or the tier's life if shorter (not a fifth of it at 2 s)
             rate = sum(n for _, n in self._rate) / max(0.5, min(10.0, now - self._born))
             oldest = min((t for _, t in self._pending.values()), default=None)
             to_upload = len(self._queue) + len(self._uploading)
