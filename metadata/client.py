@@ -728,10 +728,13 @@ class RemoteEngine(MetaEngine):
         """
         return self.submit_encoded(self.encode_many(calls))
 
-    def encode_many(self, calls: list[tuple[str, tuple, dict]]) -> list[tuple]:
+    def encode_many(
+        self, calls: list[tuple[str, tuple, dict]], *, token: str | None = None
+    ) -> list[tuple]:
         """Encode requests now (ids and idempotency keys assigned) to send later with
         `submit_encoded`: a process speaking for many ranks can pay the encoding
-        before the moment they all send."""
+        before the moment they all send. `token`: each request carries it, and the
+        service checks it instead of this connection's own (`behalf`)."""
         out: list[tuple] = []
         for method, args, kwargs in calls:
             if method == "commit_rank" and len(args) >= 4:
@@ -740,7 +743,10 @@ class RemoteEngine(MetaEngine):
             with self._lock:
                 rid = self._next_id
                 self._next_id += 1
-            fr = encode_frame([rid, method, list(args), kwargs, key])
+            req = [rid, method, list(args), kwargs, key]
+            if token is not None:  # the request's own credential (wire/protocol.py)
+                req.append(token)
+            fr = encode_frame(req)
             out.append((rid, method, fr))
         return out
 
@@ -798,11 +804,21 @@ class RemoteEngine(MetaEngine):
             except OSError:
                 pass
 
+    def behalf(self, token: str) -> OnBehalf:
+        """This client's methods as another credential (`token`): the same connection and
+        failover, each request checked against `token`'s role and scope. A host's client
+        carries its ranks this way, each with its own credential."""
+        return OnBehalf(self, token)
+
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.call_as(None, method, args, kwargs)
+
+    def call_as(self, token: str | None, method: str, args: tuple, kwargs: dict) -> Any:
         timeout = CALL_TIMEOUT
         if method == "wait_published":
             timeout += float(kwargs.get("timeout", args[2] if len(args) > 2 else 60.0))
-        (fut,) = self.submit_encoded(self.encode_many([(method, args, kwargs)]), reader=False)
+        encoded = self.encode_many([(method, args, kwargs)], token=token)
+        (fut,) = self.submit_encoded(encoded, reader=False)
         if self._io is None and self._reading.acquire(blocking=False):
             try:
                 if self._io is None:
@@ -840,6 +856,23 @@ class RemoteEngine(MetaEngine):
         if io is not None:
             io.join(timeout=5)
         self._fail_all(MetaError(errno.EBADF, "client closed"))
+
+
+class OnBehalf:
+    """A RemoteEngine's remote methods on behalf of another credential (`behalf`)."""
+
+    def __init__(self, engine: RemoteEngine, token: str) -> None:
+        self._engine = engine
+        self._token = token
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in REMOTE_METHODS:
+            raise AttributeError(name)
+        engine, token = self._engine, self._token
+        return lambda *args, **kwargs: engine.call_as(token, name, args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"<on behalf of another credential over {self._engine!r}>"
 
 
 def _forwarder(name: str) -> Any:

@@ -286,3 +286,24 @@ def test_a_writer_token_saves_and_loads_its_jobs_dcp_checkpoint(tmp_path, meta_s
     assert admin.latest("job-a") == 1
     assert admin.latest("job-b") is None and admin.step_state("job-a", 1)["state"] == "published"
     admin.close()
+
+
+def test_requests_on_behalf_of_other_credentials_share_one_connection(served):
+    """A host's client carries many ranks on one connection, each request with its own
+    token (wire/protocol.py): the request's token decides, not the connection's."""
+    server, admin, c, path = served
+    reader = c["reader"]  # a connection that may only read job A
+    as_writer = reader.behalf(c["writer"]._token)
+    as_other = reader.behalf(c["other"]._token)
+    assert as_writer.begin("job-a", 5, 1)["state"] == "open"  # the writer's scope
+    _refused(as_writer.begin, "job-b", 5, 1)
+    assert as_other.begin("job-b", 5, 1)["state"] == "open"
+    _refused(as_other.abort, "job-a", 5)
+    _refused(reader.begin, "job-a", 6, 1)  # the connection's own token is still a reader's
+    a_dir = as_writer.create(ROOT_INO, b"data-a", stat.S_IFDIR | 0o755, 0, 0).ino
+    assert as_writer.create(a_dir, b"f", stat.S_IFREG | 0o644, 0, 0).ino > 0
+    with pytest.raises(MetaError) as e:
+        reader.behalf("ckt_not-a-token-of-this-volume").ping()
+    assert e.value.errno == errno.EACCES
+    assert admin.step_state("job-a", 5)["state"] == "open"
+    assert admin.step_state("job-b", 5)["state"] == "open"

@@ -240,8 +240,9 @@ class Access:
             return keep
         return result
 
-    def cached_path(self, ino: int) -> bytes:
-        hit = self._paths.get(ino)
+    def listed(self, args: list) -> bytes:
+        """The path of a readdir's directory, as its scope check resolved it."""
+        hit = self._paths.get(args[0]) if args and isinstance(args[0], int) else None
         return hit[1] if hit and hit[1] is not None else b"/"
 
 

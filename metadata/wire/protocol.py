@@ -7,9 +7,16 @@ requests and responses matched by request id, in any order:
     hello    {"proto": 1, "token": str}            -> {"proto": 1, "ok": true}
     request  [id, method, args, kwargs, idem_key]  -> [id, 0, result]
                                                    or [id, errno, message]
+    request  [id, method, args, kwargs, idem_key, token]   (the same, on behalf of
+             another credential: a host's client carrying many ranks on one connection)
 
 `idem_key` (bytes or nil) marks a mutating request: the service applies a
-request with a given key once and answers retries from the first outcome.
+request with a given key once and answers retries from the first outcome. A request's
+own `token` (a string, at most TOKEN_MAX characters), when present, is the credential
+its permission and scope are checked against instead of the connection's hello's: one
+connection then carries requests of many ranks, each with its own scope. It travels in
+the request, not as per-connection state, so a request resent to another replica after
+a failover carries it too.
 The engine's dataclasses travel as msgpack extension types (compact, and the
 decoder rebuilds them without knowing the method), sets and tuples likewise.
 Anything malformed raises ProtocolError, the only exception the decoders raise.
@@ -230,11 +237,20 @@ class FrameDecoder:
         return len(self._buf)
 
 
-def parse_request(body: bytes | memoryview) -> tuple[int, str, list, dict, bytes | None]:
-    """Validate a request's shape: (id, method, args, kwargs, idempotency key)."""
+TOKEN_MAX = 512  # characters of a request's own token (a scoped one has 47)
+
+
+def parse_request(body: bytes | memoryview) -> tuple:
+    """Validate a request's shape: (id, method, args, kwargs, idempotency key[, token])."""
     msg = decode(body)
-    if not isinstance(msg, list) or len(msg) != 5:
-        raise ProtocolError("a request is [id, method, args, kwargs, idem_key]")
+    if not isinstance(msg, list) or len(msg) not in (5, 6):
+        raise ProtocolError("a request is [id, method, args, kwargs, idem_key[, token]]")
+    if len(msg) == 6:
+        token = msg.pop()
+        if not isinstance(token, str) or not 0 < len(token) <= TOKEN_MAX:
+            raise ProtocolError(f"a request's token is a string of 1..{TOKEN_MAX} characters")
+    else:
+        token = None
     rid, method, args, kwargs, key = msg
     if not isinstance(rid, int) or isinstance(rid, bool) or not 0 < rid < 2**63:
         raise ProtocolError("request id must be a positive integer")
@@ -244,7 +260,8 @@ def parse_request(body: bytes | memoryview) -> tuple[int, str, list, dict, bytes
         raise ProtocolError("keyword argument names must be strings")
     if key is not None and (not isinstance(key, bytes) or not 8 <= len(key) <= 64):
         raise ProtocolError("idempotency key must be 8..64 bytes")
-    return rid, method, args, kwargs, key
+    head = (rid, method, args, kwargs, key)
+    return head if token is None else (*head, token)
 
 
 _COMMIT_TAG = b"\xabcommit_rank"  # the method name as msgpack encodes it
