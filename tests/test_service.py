@@ -27,6 +27,7 @@ from metadata.wire.protocol import (
     encode_frame,
     parse_request,
 )
+from tests.fixtures.service import in_process_service
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,30 +165,11 @@ def test_connections_that_never_say_hello_are_dropped_oldest_first(tmp_path, mon
     """Past MAX_HANDSHAKES connections waiting for their hello, the one that waited
     longest goes, so idle connections cannot hold every descriptor until their timeout
     (about 1,100 of them let 3 of 11 real clients in within 3 s)."""
-    import trio
-
     import metadata.server.service as service
-    from metadata.engines.sqlite import SqliteEngine
 
     monkeypatch.setattr(service, "MAX_HANDSHAKES", 8)
     Volume.create(str(tmp_path / "vol"), nodes=2).close()
-    engine = SqliteEngine(str(tmp_path / "vol" / "meta.db"))
-    svc = service.MetaService(engine, "tok", base_dir=str(tmp_path / "vol"))
-    started: dict = {}
-    ready = threading.Event()
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            started["port"] = await nursery.start(svc.serve, "127.0.0.1", 0)
-            started["token"] = trio.lowlevel.current_trio_token()
-            started["cancel"] = nursery.cancel_scope.cancel
-            ready.set()
-
-    t = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    t.start()
-    assert ready.wait(30)
-    port = started["port"]
-    try:
+    with in_process_service(str(tmp_path / "vol"), "tok") as (svc, port):
         idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(20)]
         good = connect(f"ckptfs://127.0.0.1:{port}", token="tok")
         assert good.call("ping") is None
@@ -199,10 +181,6 @@ def test_connections_that_never_say_hello_are_dropped_oldest_first(tmp_path, mon
         for c in idle:
             c.close()
         good.close()
-    finally:
-        trio.from_thread.run_sync(started["cancel"], trio_token=started["token"])
-        t.join(30)
-        engine.close()
 
 
 def test_a_client_that_never_reads_its_answers_stalls_only_itself(served):

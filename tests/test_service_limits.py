@@ -11,10 +11,7 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
@@ -23,39 +20,14 @@ from fusefs.client.volume import Volume, VolumeError
 from metadata.client import connect
 from metadata.engine import MetaError
 from metadata.wire.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
+from tests.fixtures.service import in_process_service
 
 TOKEN = "a-token-of-at-least-sixteen-characters"
 
 
-@contextmanager
-def _service(vol: str, **kw: object) -> Iterator[tuple[object, int]]:
-    """A MetaService over the volume's SQLite engine, on a trio thread of its own."""
-    import trio
-
-    from metadata.engines.sqlite import SqliteEngine
-    from metadata.server.service import MetaService
-
-    engine = SqliteEngine(os.path.join(vol, "meta.db"))
-    svc = MetaService(engine, TOKEN, base_dir=vol, **kw)  # type: ignore[arg-type]
-    started: dict = {}
-    ready = threading.Event()
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            started["port"] = await nursery.start(svc.serve, "127.0.0.1", 0)
-            started["token"] = trio.lowlevel.current_trio_token()
-            started["cancel"] = nursery.cancel_scope.cancel
-            ready.set()
-
-    t = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    t.start()
-    assert ready.wait(30)
-    try:
-        yield svc, started["port"]
-    finally:
-        trio.from_thread.run_sync(started["cancel"], trio_token=started["token"])
-        t.join(30)
-        engine.close()
+def _service(vol: str, **kw: object):
+    """A MetaService over the volume's SQLite engine, in this process."""
+    return in_process_service(vol, TOKEN, **kw)
 
 
 def _authed(port: int) -> socket.socket:

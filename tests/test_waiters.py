@@ -23,19 +23,9 @@ from bench.servers.metaserve import MetaServer
 from fusefs.client.volume import Volume
 from metadata.client import connect
 from metadata.engine import STAGED, Extent, NewChunk
-
-try:
-    from metadata.wire.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
-except ImportError:  # older layouts (reproducing on the old code)
-    from metadata.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
-
-
-def _service_module():
-    try:
-        from metadata.server import service
-    except ImportError:
-        from metadata import service  # type: ignore[no-redef]
-    return service
+from metadata.server import service
+from metadata.wire.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
+from tests.fixtures.service import in_process_service
 
 
 @pytest.fixture
@@ -127,38 +117,14 @@ def test_thousands_of_waiters_cost_the_service_almost_nothing(vol):
         srv.stop()
 
 
+TOKEN = "a-token-of-at-least-sixteen-characters"
+
+
 @contextmanager
 def _in_process(vol: str, **kw) -> Iterator[tuple[object, int, str]]:
-    """A MetaService on a trio thread of its own (sizes and stats readable)."""
-    import trio
-
-    try:
-        from metadata.engines.sqlite import SqliteEngine
-    except ImportError:
-        from metadata.sqlite import SqliteEngine  # type: ignore[no-redef]
-
-    token = "a-token-of-at-least-sixteen-characters"
-    engine = SqliteEngine(os.path.join(vol, "meta.db"))
-    svc = _service_module().MetaService(engine, token, base_dir=vol, **kw)
-    started: dict = {}
-    ready = threading.Event()
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            started["port"] = await nursery.start(svc.serve, "127.0.0.1", 0)
-            started["token"] = trio.lowlevel.current_trio_token()
-            started["cancel"] = nursery.cancel_scope.cancel
-            ready.set()
-
-    t = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    t.start()
-    assert ready.wait(30)
-    try:
-        yield svc, started["port"], token
-    finally:
-        trio.from_thread.run_sync(started["cancel"], trio_token=started["token"])
-        t.join(30)
-        engine.close()
+    """A MetaService in this process (sizes and stats readable), with its token."""
+    with in_process_service(vol, TOKEN, **kw) as (svc, port):
+        yield svc, port, TOKEN
 
 
 def test_long_waits_do_not_lock_newcomers_out_of_the_connection_cap(vol):
@@ -213,7 +179,6 @@ def test_per_step_state_stays_bounded_over_many_steps(vol, monkeypatch):
     """300 steps of 8 ranks (100 jobs; every fifth step aborted, with waiters on each step):
     every structure stays within its bound (made small here, to be reached), and RSS does
     not grow with the steps."""
-    service = _service_module()
     from metadata.server import stats, waiters
 
     monkeypatch.setattr(service, "IDEM_KEEP", 200)
