@@ -17,32 +17,18 @@ import time
 from contextlib import contextmanager
 
 import psycopg
-import pytest
 
-from fusefs.client.volume import Volume
 from metadata import client as client_mod
 from metadata.client import connect
 from metadata.engine import ROOT_INO
 from metadata.engines.postgres import IDLE_IN_TX_S
+from tests.fixtures.service import replica_url as _url
 
 DIR = stat.S_IFDIR | 0o755
 REG = stat.S_IFREG | 0o644
 # a stopped replica is found within PROBE_AFTER + PING_TIMEOUT (+ a watchdog tick and
 # DIRECT_WAIT before the I/O thread takes over); CI machines are slow: a margin
 DETECT_S = client_mod.DIRECT_WAIT + client_mod.PROBE_AFTER + client_mod.PING_TIMEOUT + 1.5
-
-
-def _url(*servers) -> str:
-    hosts = ",".join(f"127.0.0.1:{s.port}" for s in servers)
-    return f"ckptfs://{hosts}?token_file={servers[0].token_file}"
-
-
-@pytest.fixture
-def replicas(tmp_path, pg_url, meta_server):
-    Volume.create(str(tmp_path / "vol"), nodes=2, db=pg_url).close()
-    a = meta_server(tmp_path / "vol", db=pg_url)
-    b = meta_server(tmp_path / "vol", db=pg_url)
-    return a, b, pg_url
 
 
 @contextmanager

@@ -23,26 +23,11 @@ from metadata.engine import ROOT_INO, Extent, MetaError, NewChunk
 from metadata.wire.url import resolve_token
 from tests.fixtures.postgres import free_port
 from tests.fixtures.service import ROOT
+from tests.fixtures.service import replica_url as _url
 from tests.test_checkpoints import FILES, rank_files
 
 DIR = stat.S_IFDIR | 0o755
 REG = stat.S_IFREG | 0o644
-
-
-def _url(*servers, retry: float | None = None) -> str:
-    """A URL listing these replicas in this order (they share one volume and token)."""
-    hosts = ",".join(f"127.0.0.1:{s.port}" for s in servers)
-    extra = f"&retry={retry}" if retry is not None else ""
-    return f"ckptfs://{hosts}?token_file={servers[0].token_file}{extra}"
-
-
-@pytest.fixture
-def replicas(tmp_path, pg_url, meta_server):
-    """Two services on one PostgreSQL volume, and the database URL."""
-    Volume.create(str(tmp_path / "vol"), nodes=2, db=pg_url).close()
-    a = meta_server(tmp_path / "vol", db=pg_url)
-    b = meta_server(tmp_path / "vol", db=pg_url)
-    return a, b, pg_url
 
 
 def _engine(pg_url: str):
