@@ -55,7 +55,7 @@ from typing import Any
 
 from metadata.ckptformat import pack_files
 from metadata.engine import MetaEngine, MetaError
-from metadata.wire.dial import CONNECT_TIMEOUT, _Attempt, _check_hello, _keepalive
+from metadata.wire.dial import CONNECT_TIMEOUT, Attempt, check_hello, keepalive
 from metadata.wire.protocol import (
     MAX_FRAME,
     MUTATING_METHODS,
@@ -68,7 +68,7 @@ from metadata.wire.protocol import (
 )
 from metadata.wire.tls import TlsSocket, client_context, describe_tls_error
 from metadata.wire.url import (
-    _UNREACHABLE,
+    UNREACHABLE,
     check_retry,
     parse_url,
     resolve_token,
@@ -272,7 +272,7 @@ class RemoteEngine(MetaEngine):
                     # log format already says "ckptfs: WARNING:".
                     gone = self._where(came_from)
                     reason = why or errors.get(came_from, "unreachable")
-                    reason = reason.removeprefix(f"{_UNREACHABLE}{gone}: ").removeprefix(
+                    reason = reason.removeprefix(f"{UNREACHABLE}{gone}: ").removeprefix(
                         f"handshake with {gone}: "
                     )
                     log.warning(
@@ -285,7 +285,7 @@ class RemoteEngine(MetaEngine):
             if n == 1:
                 msg = errors.get(start, "unreachable")
             else:
-                each = "; ".join(e.removeprefix(_UNREACHABLE) for e in errors.values())
+                each = "; ".join(e.removeprefix(UNREACHABLE) for e in errors.values())
                 msg = f"no replica of the metadata service answers ({each})"
             now = time.monotonic()
             if deadline is not None and now >= deadline:
@@ -316,7 +316,7 @@ class RemoteEngine(MetaEngine):
         (each error in `errors`); a permanent refusal is raised."""
         hello = self._hello()
         todo = list(order)
-        live: list[_Attempt] = []
+        live: list[Attempt] = []
         next_at = 0.0
         try:
             while True:
@@ -324,7 +324,7 @@ class RemoteEngine(MetaEngine):
                 if todo and (not live or now >= next_at):
                     if self._closed:
                         raise MetaError(errno.EBADF, "client closed")
-                    a = _Attempt(self, todo.pop(0), hello, now)
+                    a = Attempt(self, todo.pop(0), hello, now)
                     live.append(a)
                     next_at = now + STAGGER
                 else:
@@ -334,7 +334,7 @@ class RemoteEngine(MetaEngine):
                     if todo:
                         until = min(until, next_at)
                     poll = select.poll()
-                    by_fd: dict[int, _Attempt] = {}
+                    by_fd: dict[int, Attempt] = {}
                     for a in live:
                         if a.sock is not None and a.result is None and a.error is None:
                             by_fd[a.sock.fileno()] = a
@@ -429,10 +429,10 @@ class RemoteEngine(MetaEngine):
                 (host, port), timeout=timeout
             )
         except OSError as e:
-            raise MetaError(errno.ECONNREFUSED, f"{_UNREACHABLE}{self._where(i)}: {e}") from None
+            raise MetaError(errno.ECONNREFUSED, f"{UNREACHABLE}{self._where(i)}: {e}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _keepalive(sock)
+            keepalive(sock)
             if self.tls is not None:
                 try:
                     sock = TlsSocket(sock, self.tls, host, timeout)
@@ -449,7 +449,7 @@ class RemoteEngine(MetaEngine):
                         f"service closed the connection during the handshake{hint}"
                     )
                 frames = dec.feed(data)
-            _check_hello(frames[0])
+            check_hello(frames[0])
             sock.settimeout(None)
             if frames[1:]:
                 raise ProtocolError("unexpected frames after the handshake")

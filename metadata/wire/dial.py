@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from metadata.engine import MetaError
 from metadata.wire.protocol import FrameDecoder, ProtocolError, decode
-from metadata.wire.url import _UNREACHABLE
+from metadata.wire.url import UNREACHABLE
 
 if TYPE_CHECKING:
     from metadata.client import RemoteEngine
@@ -21,7 +21,7 @@ CONNECT_TIMEOUT = 5.0  # seconds to open one connection (TCP and handshake)
 KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, probes: a vanished host in ~11 s
 
 
-def _keepalive(sock: socket.socket) -> None:
+def keepalive(sock: socket.socket) -> None:
     """TCP keepalive, so a connection whose host vanished (powered off, cut off the
     network) breaks in seconds and the client fails over, instead of waiting forever
     for an answer. The peer's kernel answers the probes: a busy service is not dead."""
@@ -35,7 +35,7 @@ def _keepalive(sock: socket.socket) -> None:
         pass
 
 
-def _check_hello(body: bytes | memoryview) -> None:
+def check_hello(body: bytes | memoryview) -> None:
     """The service's answer to our hello: accepted, or MetaError with its reason."""
     reply = decode(body)
     if not isinstance(reply, dict) or not reply.get("ok"):
@@ -44,7 +44,7 @@ def _check_hello(body: bytes | memoryview) -> None:
         raise MetaError(err, f"metadata service refused the connection: {msg}")
 
 
-class _Attempt:
+class Attempt:
     """One plain-TCP connection attempt to replica `i` (RemoteEngine._race): a
     non-blocking connect, then the hello and its answer, each step on a poll event.
     Ends with `result` (a blocking socket, handshake done) or `error` (MetaError,
@@ -73,7 +73,7 @@ class _Attempt:
 
     def _unreachable(self, e: BaseException) -> None:
         self.close()
-        self.error = MetaError(errno.ECONNREFUSED, f"{_UNREACHABLE}{self.where}: {e}")
+        self.error = MetaError(errno.ECONNREFUSED, f"{UNREACHABLE}{self.where}: {e}")
 
     def _handshake_failed(self, e: BaseException) -> None:
         self.close()
@@ -115,7 +115,7 @@ class _Attempt:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 except OSError:
                     pass
-                _keepalive(sock)
+                keepalive(sock)
             try:
                 sent = sock.send(self.out)
             except BlockingIOError:
@@ -143,7 +143,7 @@ class _Attempt:
             frames = self.dec.feed(data)
             if not frames:
                 return
-            _check_hello(frames[0])
+            check_hello(frames[0])
             if frames[1:]:
                 raise ProtocolError("unexpected frames after the handshake")
         except MetaError as e:

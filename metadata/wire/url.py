@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 from metadata.engine import MetaError
 
 MAX_RETRY = 600.0  # the most `retry=` may ask: services keep request ids far longer
-_UNREACHABLE = "cannot reach the metadata service at "
+UNREACHABLE = "cannot reach the metadata service at "
 
 
 def resolve_token(params: dict[str, list[str]]) -> str:
@@ -69,7 +69,6 @@ def read_token_file(path: str) -> str:
         return f.read().strip()
 
 
-_UNREACHABLE = "cannot reach the metadata service at "
 _USAGE = "expected ckptfs://HOST:PORT[,HOST:PORT...][?OPTIONS]"
 
 
