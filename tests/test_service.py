@@ -554,7 +554,7 @@ def test_group_commit_answers_every_rank_when_acknowledging_fails():
     import trio
 
     from metadata.server.groupcommit import GroupCommit
-    from metadata.server.service import _Slot
+    from metadata.server.slot import Slot
 
     class Engine:
         def prepare_commits(self, items: list) -> tuple:
@@ -571,7 +571,7 @@ def test_group_commit_answers_every_rank_when_acknowledging_fails():
 
     async def main() -> list:
         group = GroupCommit(Engine(), acknowledge, busy=lambda: False)
-        slots = [_Slot() for _ in range(5)]
+        slots = [Slot() for _ in range(5)]
         errors = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(group.run)
@@ -595,7 +595,7 @@ def test_read_batches_share_identical_calls_and_never_a_running_read():
     import trio
 
     from metadata.server.readbatch import ReadBatcher
-    from metadata.server.service import _Slot
+    from metadata.server.slot import Slot
 
     class Engine:
         def __init__(self) -> None:
@@ -622,10 +622,10 @@ def test_read_batches_share_identical_calls_and_never_a_running_read():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reads.run)
             with trio.fail_after(30):
-                many = [_Slot() for _ in range(500)]
+                many = [Slot() for _ in range(500)]
                 for s in many:
                     reads.submit("latest", ["job"], {}, s)
-                other, missing, bogus = _Slot(), _Slot(), _Slot()
+                other, missing, bogus = Slot(), Slot(), Slot()
                 reads.submit("latest", ["job2"], {}, other)
                 reads.submit("step_state", ["job", 7], {}, missing)
                 reads.submit("no_such_read", [], {}, bogus)
@@ -636,11 +636,11 @@ def test_read_batches_share_identical_calls_and_never_a_running_read():
                     await bogus.get()
                 calls_first = eng.calls
 
-                slow = _Slot()
+                slow = Slot()
                 reads.submit("latest", ["slow"], {}, slow)
                 await trio.to_thread.run_sync(eng.entered.wait, 30)
                 eng.value = 2  # a write acknowledged while the first read runs...
-                later = _Slot()
+                later = Slot()
                 reads.submit("latest", ["slow"], {}, later)  # ...then this read is queued
                 eng.release.set()
                 first, second = await slow.get(), await later.get()

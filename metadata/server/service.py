@@ -60,10 +60,11 @@ from metadata.ckptcheck import manifest_ranks, no_durable_step
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.periodic import run_periodic
 from metadata.server.access import ACCESS_POLL_S, ADMIN, Access, Principal, request_binding
-from metadata.server.conn import Conn, Link, SocketLink, StreamLink
+from metadata.server.conn import Budget, Conn, Link, SocketLink, StreamLink
 from metadata.server.groupcommit import GroupCommit
 from metadata.server.manifests import encode_manifest, manifest_answer
 from metadata.server.readbatch import ReadBatcher
+from metadata.server.slot import Slot
 from metadata.server.stats import ServiceStats
 from metadata.server.waiters import Waiters
 from metadata.sql.requests import ONCE_METHODS, KeyReused
@@ -144,45 +145,6 @@ def _check_hello_size(head: bytes) -> None:
         raise ProtocolError(f"a hello frame is at most {HELLO_MAX} bytes")
 
 
-class _Slot:
-    """One outcome shared by several waiters (an idempotency key, a cached manifest).
-
-    Waiters are plain callbacks or trio events, so answering a request from a
-    slot needs no task of its own.
-    """
-
-    __slots__ = ("done", "result", "error", "_waiters", "binding", "born")
-
-    def __init__(self) -> None:
-        self.done = False
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self._waiters: list[Any] = []
-        self.binding = b""  # a keyed request's: who asked, what (server/access.py)
-        self.born = 0.0  # a keyed request's: when it came (IDEM_KEEP_S)
-
-    def set(self, result: Any = None, error: BaseException | None = None) -> None:
-        self.result, self.error, self.done = result, error, True
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
-            w(self)
-
-    def add(self, callback: Any) -> None:
-        if self.done:
-            callback(self)
-        else:
-            self._waiters.append(callback)
-
-    async def get(self) -> Any:
-        if not self.done:
-            event = trio.Event()
-            self._waiters.append(lambda _s: event.set())
-            await event.wait()
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
 def _commit_args(
     job: str, step: int, rank: int, files: list, *, host: str = ""
 ) -> tuple[str, int, int, list, str]:
@@ -206,6 +168,7 @@ class MetaService:
         threads: int = 8,
         idle_timeout: float = IDLE_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        memory_budget: int | None = None,  # bytes (server/budget.py MEMORY_BUDGET)
     ) -> None:
         if not idle_timeout > 0:
             raise ValueError(f"idle timeout must be > 0 seconds, got {idle_timeout}")
@@ -218,11 +181,12 @@ class MetaService:
         self.base_dir = base_dir
         self.max_frame = max_frame
         self.limiter = trio.CapacityLimiter(threads)
+        self.budget = Budget() if memory_budget is None else Budget(memory_budget)
         self._building = 0  # manifests being built: the fan-out comes next, don't apply
         self._group = GroupCommit(engine, self._acknowledge, busy=lambda: self._building > 0)
         self._reads = ReadBatcher(engine)
-        self._idem: OrderedDict[bytes, _Slot] = OrderedDict()
-        self._manifests: OrderedDict[tuple, _Slot] = OrderedDict()
+        self._idem: OrderedDict[bytes, Slot] = OrderedDict()
+        self._manifests: OrderedDict[tuple, Slot] = OrderedDict()
         # (job, step) -> {rank: files} of the commits this process wrote: at publish the
         # manifest is encoded from these, without reading the step back (see _prebuild)
         self._step_files: dict[tuple[str, int], dict[int, list]] = {}
@@ -275,6 +239,7 @@ class MetaService:
             nursery.start_soon(self._group.run)
             nursery.start_soon(self._reads.run)
             nursery.start_soon(self._waits.run)
+            nursery.start_soon(self.budget.run)  # frames that stop arriving (budget.py)
             # the periodic loops: a step that raises is logged, counted and retried
             periodic = partial(run_periodic, log=log)
             nursery.start_soon(periodic, "expire", self._expire, EXPIRE_EVERY)
@@ -470,7 +435,7 @@ class MetaService:
                 encode_frame({"ok": False, "errno": errno.EACCES, "error": "wrong token"})
             )
             return
-        conn = Conn(link, self.counters)
+        conn = Conn(link, self.counters, self.budget)
         conn.principal = principal
         if not self._admit(conn):
             self.stats["refused_full"] += 1
@@ -497,7 +462,7 @@ class MetaService:
                     if nursery.child_tasks:  # (a cancel costs, even with nothing to stop)
                         nursery.cancel_scope.cancel()
         finally:
-            conn.closed = True
+            conn.close()  # what it held leaves the memory budget
             self._authed.pop(conn, None)
             self._waits.drop_conn(conn)  # its waits go with it
         if conn.idle_closed:
@@ -529,6 +494,8 @@ class MetaService:
             if not data or conn.scope.cancel_called:
                 return
             frames = dec.feed(data)
+            if dec.pending or conn.partial_bytes:  # a frame half received: charged (budget.py)
+                conn.received(dec.pending)
 
     def _admit(self, conn: Conn) -> bool:
         """Count an authenticated connection in, under max_connections.
@@ -620,7 +587,7 @@ class MetaService:
         if PERMISSIONS[method][0] == "admin":
             self.stats["admin_calls"] += 1
             log.info("admin call %s by token %s", method, p.name)
-        slot: _Slot | None = None
+        slot: Slot | None = None
         if key is not None and method not in READ_METHODS:  # a read is safe to run again
             binding = request_binding(p.name, body)
             prev = self._idem.get(key)
@@ -635,14 +602,14 @@ class MetaService:
                     return
                 prev.add(lambda s: conn.reply(rid, s.result, s.error, method))
                 return
-            slot = self._idem[key] = _Slot()
+            slot = self._idem[key] = Slot()
             slot.binding = binding
             slot.born = time.monotonic()
             while len(self._idem) > IDEM_KEEP:
                 self._idem.popitem(last=False)
             slot.add(lambda s: conn.reply(rid, s.result, s.error, method))
         else:
-            slot = _Slot()
+            slot = Slot()
             slot.add(lambda s: conn.reply(rid, s.result, s.error, method))
         try:
             if method == "ping":
@@ -665,7 +632,7 @@ class MetaService:
             if method == "manifest":
                 job, step, only = _manifest_args(*args, **kwargs)
                 if step is None:  # the latest durable step's: its number first, batched
-                    found = _Slot()
+                    found = Slot()
                     found.add(lambda s: self._manifest_of(s, job, only, slot))
                     self._reads.submit("latest_durable", [job], {}, found)
                     return
@@ -680,7 +647,7 @@ class MetaService:
             return
         nursery.start_soon(self._task, method, args, kwargs, key, slot)
 
-    def _manifest_inline(self, job: str, step: int, only: list[int] | None, slot: _Slot) -> bool:
+    def _manifest_inline(self, job: str, step: int, only: list[int] | None, slot: Slot) -> bool:
         """Answer a manifest request from the step's encoding, if it is built."""
         entry = self._manifests.get((job, step))
         if entry is None or not entry.done or entry.error is not None:
@@ -689,7 +656,7 @@ class MetaService:
         slot.set(manifest_answer(entry.result, only))
         return True
 
-    def _manifest_of(self, found: _Slot, job: str, only: list[int] | None, slot: _Slot) -> None:
+    def _manifest_of(self, found: Slot, job: str, only: list[int] | None, slot: Slot) -> None:
         """The second half of a manifest request for the latest durable step, once the
         batched read found its number: answered inline, or built (in the service's
         nursery: the connection may be gone, the encoding is kept for the next)."""
@@ -708,7 +675,7 @@ class MetaService:
         log.warning("refused: %s", err)  # the message names the method and the token
 
     async def _scoped_task(
-        self, p: Principal, method: str, args: list, kwargs: dict, key: bytes | None, slot: _Slot
+        self, p: Principal, method: str, args: list, kwargs: dict, key: bytes | None, slot: Slot
     ) -> None:
         """A scoped credential's namespace request: its scope checked, then run, and a
         listing above its roots trimmed to the way to them (server/access.py)."""
@@ -724,10 +691,10 @@ class MetaService:
                 self._idem.pop(key, None)
             slot.set(error=err)
             return
-        inner = _Slot()
+        inner = Slot()
         inner.binding = slot.binding
 
-        def answer(s: _Slot) -> None:
+        def answer(s: Slot) -> None:
             if s.error is not None:
                 slot.set(error=s.error)
             else:  # a listing above the scope's roots: only the way to them
@@ -737,7 +704,7 @@ class MetaService:
         await self._task(method, args, kwargs, key, inner)
 
     async def _task(
-        self, method: str, args: list, kwargs: dict, key: bytes | None, slot: _Slot
+        self, method: str, args: list, kwargs: dict, key: bytes | None, slot: Slot
     ) -> None:
         try:
             result = await self._dispatch(method, args, kwargs, key, slot.binding)
@@ -854,7 +821,7 @@ class MetaService:
         files = self._step_files.pop(key, None)
         head = self._waits.terminal.get(key)
         if files and head and len(files) == head["world_size"] and key not in self._manifests:
-            entry = self._manifests[key] = _Slot()
+            entry = self._manifests[key] = Slot()
             head = {k: v for k, v in head.items() if k != "duplicate"}
             self._building += 1
             try:
@@ -881,7 +848,7 @@ class MetaService:
         key = (job, step)
         entry = self._manifests.get(key)
         if entry is None:
-            entry = self._manifests[key] = _Slot()
+            entry = self._manifests[key] = Slot()
             self._building += 1
             try:
                 head, by_rank = await self._run(self.engine.manifest_parts, job, step)
