@@ -60,7 +60,7 @@ from metadata.ckptcheck import manifest_ranks, no_durable_step
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.periodic import run_periodic
 from metadata.server.access import ACCESS_POLL_S, ADMIN, Access, Principal, request_binding
-from metadata.server.conn import Budget, Conn, Link, SocketLink, StreamLink
+from metadata.server.conn import Conn, Link, SocketLink, StreamLink
 from metadata.server.groupcommit import GroupCommit
 from metadata.server.manifests import encode_manifest, manifest_answer
 from metadata.server.readbatch import ReadBatcher
@@ -168,7 +168,6 @@ class MetaService:
         threads: int = 8,
         idle_timeout: float = IDLE_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
-        memory_budget: int | None = None,  # bytes (server/budget.py MEMORY_BUDGET)
     ) -> None:
         if not idle_timeout > 0:
             raise ValueError(f"idle timeout must be > 0 seconds, got {idle_timeout}")
@@ -181,7 +180,6 @@ class MetaService:
         self.base_dir = base_dir
         self.max_frame = max_frame
         self.limiter = trio.CapacityLimiter(threads)
-        self.budget = Budget() if memory_budget is None else Budget(memory_budget)
         self._building = 0  # manifests being built: the fan-out comes next, don't apply
         self._group = GroupCommit(engine, self._acknowledge, busy=lambda: self._building > 0)
         self._reads = ReadBatcher(engine)
@@ -239,7 +237,6 @@ class MetaService:
             nursery.start_soon(self._group.run)
             nursery.start_soon(self._reads.run)
             nursery.start_soon(self._waits.run)
-            nursery.start_soon(self.budget.run)  # frames that stop arriving (budget.py)
             # the periodic loops: a step that raises is logged, counted and retried
             periodic = partial(run_periodic, log=log)
             nursery.start_soon(periodic, "expire", self._expire, EXPIRE_EVERY)
@@ -435,7 +432,7 @@ class MetaService:
                 encode_frame({"ok": False, "errno": errno.EACCES, "error": "wrong token"})
             )
             return
-        conn = Conn(link, self.counters, self.budget)
+        conn = Conn(link, self.counters)
         conn.principal = principal
         if not self._admit(conn):
             self.stats["refused_full"] += 1
@@ -462,7 +459,7 @@ class MetaService:
                     if nursery.child_tasks:  # (a cancel costs, even with nothing to stop)
                         nursery.cancel_scope.cancel()
         finally:
-            conn.close()  # what it held leaves the memory budget
+            conn.closed = True
             self._authed.pop(conn, None)
             self._waits.drop_conn(conn)  # its waits go with it
         if conn.idle_closed:
@@ -494,8 +491,6 @@ class MetaService:
             if not data or conn.scope.cancel_called:
                 return
             frames = dec.feed(data)
-            if dec.pending or conn.partial_bytes:  # a frame half received: charged (budget.py)
-                conn.received(dec.pending)
 
     def _admit(self, conn: Conn) -> bool:
         """Count an authenticated connection in, under max_connections.
