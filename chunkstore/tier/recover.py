@@ -39,8 +39,10 @@ RECONCILE_AGE_S = 60.0  # staged files renamed more recently may be a live write
 class Recovery:
     """Adoption of dead processes' journals (mixed into WriteBehindTier)."""
 
-    def _clean_tmp(self) -> None:
-        """Remove temp files of dead writers (their chunks were never acknowledged)."""
+    def _clean_tmp(self, min_age: float = 0.0) -> None:
+        """Remove temp files of dead writers (their chunks were never acknowledged), those
+        at least `min_age` seconds old (a pid may name a process in another pid namespace:
+        the periodic pass gives a live writer's file time to be renamed or removed)."""
         now = time.time()
         with os.scandir(self.tmp_dir) as it:
             for e in it:
@@ -50,10 +52,20 @@ class Recovery:
                     pid = -1
                 alive = pid > 0 and pid_alive(pid)
                 try:
-                    if not alive or now - e.stat().st_mtime > 3600:
+                    age = now - e.stat().st_mtime
+                    if (not alive and age >= min_age) or age > 3600:
                         os.unlink(e.path)
                 except OSError:
                     pass
+
+    def tidy(self) -> None:
+        """The periodic pass over what other processes left (every RECONCILE_AGE_S; at start
+        too, unconditionally): temp files of dead writers, and staged files no journal
+        names, which are a rank's that died between its rename and the agent's adopt
+        (HostStager) or lost their record. Once at start was not enough for an agent that
+        lives for weeks while ranks come and go."""
+        self._clean_tmp(min_age=RECONCILE_AGE_S)
+        self.reconcile_staged()
 
     def adopt_orphans(self) -> int:
         """Take over the segments of dead processes; returns the chunks adopted."""

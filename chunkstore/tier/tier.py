@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 
 from chunkstore import codec
-from chunkstore.cache import ChunkCache, read_object, read_object_into
+from chunkstore.cache import ChunkCache
 from chunkstore.fileio import (
     dir_bytes,
     fdatasync_path,
@@ -43,7 +43,9 @@ from chunkstore.tier.journal import (
     Segment,
     place_inline,
 )
-from chunkstore.tier.recover import Recovery
+from chunkstore.tier.ranks import RankFiles
+from chunkstore.tier.reads import StagingReads
+from chunkstore.tier.recover import RECONCILE_AGE_S, Recovery
 
 log = logging.getLogger("ckptfs.tier")
 
@@ -67,7 +69,36 @@ def default_staging_size(path: str) -> int:
     return max(256 * 2**20, min(64 * 2**30, st.f_bavail * st.f_frsize // 10))
 
 
-class WriteBehindTier(Recovery):
+def sync_files(paths: list[str], syncfs_fd: int | None) -> None:
+    """Make written files durable: one fdatasync, one syncfs from SYNCFS_MIN files on (through
+    `syncfs_fd`, fileio.open_syncfs), else an fdatasync each in parallel. Shared with
+    HostStager, which syncs its rank's files the same way."""
+    if len(paths) == 1:  # one big chunk: no pool to start for one fsync
+        fdatasync_path(paths[0])
+    elif len(paths) >= SYNCFS_MIN and syncfs_fd is not None:
+        sync_filesystem(syncfs_fd)  # one call, not an fdatasync each
+    elif paths:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(8, len(paths)), thread_name_prefix="ckptfs-sync") as ex:
+            list(ex.map(fdatasync_path, paths))
+
+
+def touch_activity(path: str) -> None:
+    """Set the host-wide activity file's mtime to now (WriteBehindTier.foreground)."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        try:
+            with open(path, "a"):
+                pass
+        except OSError:
+            pass
+    except OSError:
+        pass
+
+
+class WriteBehindTier(Recovery, RankFiles, StagingReads):
     """Stage chunks on local disk (durability=local) or write through (remote); upload,
     mark durable, cache and serve reads. Blocking and thread safe; close() joins its threads."""
 
@@ -283,19 +314,9 @@ class WriteBehindTier(Recovery):
             if not batch:
                 return 0
             self.foreground()  # the fsyncs are foreground work too: uploaders keep off
-            from concurrent.futures import ThreadPoolExecutor
-
             paths = [tmp for _, (tmp, _, payload) in batch if payload is None]
             try:
-                if len(paths) == 1:  # one big chunk: no pool to start for one fsync
-                    fdatasync_path(paths[0])
-                elif len(paths) >= SYNCFS_MIN and self._syncfs_fd is not None:
-                    sync_filesystem(self._syncfs_fd)  # one call, not an fdatasync each
-                elif paths:
-                    with ThreadPoolExecutor(
-                        min(8, len(paths)), thread_name_prefix="ckptfs-sync"
-                    ) as ex:
-                        list(ex.map(fdatasync_path, paths))
+                sync_files(paths, self._syncfs_fd)
             except OSError:  # unknown what reached the disk, and a retry would not say:
                 self._drop_unsynced([cid for cid, _ in batch])  # its writers fail, redo it
                 raise
@@ -359,16 +380,7 @@ class WriteBehindTier(Recovery):
         now = time.time()
         if now - self._last_mark >= 0.05:
             self._last_mark = now
-            try:
-                os.utime(self.active_path)
-            except FileNotFoundError:
-                try:
-                    with open(self.active_path, "a"):
-                        pass
-                except OSError:
-                    pass
-            except OSError:
-                pass
+            touch_activity(self.active_path)
 
     def _should_drain(self) -> float:
         """0 when the uploader may go now, else seconds to wait before asking again. Uploads
@@ -500,55 +512,9 @@ class WriteBehindTier(Recovery):
                 self._cached = max(0, self._cached - (n - added))
 
     # -- read path ----------------------------------------------------------------------------
-    def get(self, cid: bytes, *, view: bool = False) -> bytes:
-        """Verified raw bytes: staged copy, else the host cache, else the nodes (once per host).
-
-        view=True: uncompressed local copies are read the fast way (cache.read_object)."""
-        raw = self._read_staged(cid, view)
-        if raw is not None:
-            return raw
-        raw = self.cache.lookup(cid, view)
-        if raw is not None:
-            self.cache.hits += 1
-            return raw
+    def _fetch_missing(self, cid: bytes, view: bool = False) -> bytes:
+        """A chunk neither staged nor cached here: from the nodes, once per host (reads.py)."""
         return self.cache.single_flight(cid, lambda: self._fetch(cid))
-
-    def read_into(self, cid: bytes, views: list[memoryview], *, nowait: bool = False) -> bool:
-        """The local copy of a raw chunk (staged, else cached) read straight into `views`
-        (cache.read_object_into); False when there is none usable: then `get`.
-        nowait=True: from memory only, else BlockingIOError (read_object_into)."""
-        seed = self.store.seed
-        try:
-            if read_object_into(
-                os.path.join(self.staged_dir, cid.hex()), views, cid, seed, nowait=nowait
-            ):
-                return True
-        except codec.ChunkFormatError as e:  # as _read_staged reports it
-            log.error("staged chunk %s is corrupt: %s", cid.hex(), e)
-        path = self.cache.path(cid)
-        try:
-            if not read_object_into(path, views, cid, seed, nowait=nowait):
-                return False
-        except codec.ChunkFormatError:
-            return False  # the decoding read drops it, with a warning, and fetches it again
-        self.cache.hits += 1
-        try:
-            os.utime(path)  # LRU touch, as a cache lookup does
-        except OSError:
-            pass
-        return True
-
-    def _read_staged(self, cid: bytes, view: bool = False) -> bytes | None:
-        try:
-            raw = read_object(os.path.join(self.staged_dir, cid.hex()), view)
-            if chunk_id(raw, self.store.seed) != cid:
-                raise codec.ChunkFormatError("content does not match its chunk id")
-        except FileNotFoundError:
-            return None
-        except codec.ChunkFormatError as e:
-            log.error("staged chunk %s is corrupt: %s", cid.hex(), e)
-            return None
-        return raw
 
     def _fetch(self, cid: bytes) -> bytes:
         """One node read for the common case (keeping the stored encoding for the cache);
@@ -729,6 +695,7 @@ class WriteBehindTier(Recovery):
     # -- housekeeping -------------------------------------------------------------------------
     def _housekeep(self) -> None:
         last_status = last_adopt = compact_after = 0.0
+        last_tidy = time.monotonic()  # __init__ just did it
         failing: str | None = None  # the OSError last reported, until a status write succeeds
         while not self._stop.wait(0.1):
             try:
@@ -751,6 +718,9 @@ class WriteBehindTier(Recovery):
                 if now - last_adopt >= 5.0:
                     last_adopt = now
                     self.adopt_orphans()
+                if now - last_tidy >= RECONCILE_AGE_S:  # what dead ranks left (ranks.py)
+                    last_tidy = now
+                    self.tidy()
             except OSError as e:
                 # A full or failing disk: an expected condition, reported once (the pass
                 # retries), without a traceback, until a status write succeeds again.
