@@ -64,6 +64,30 @@ def pack_files(files: list[dict]) -> list[dict]:
     return out
 
 
+def pack_ranks(ranks: list) -> list:
+    """A commit_ranks' [rank, files(, host)] entries -> [rank, packed files, host], the
+    form the service decodes typed (wire/protocol.py). Anything malformed passes
+    through unchanged, for the engine to reject."""
+    if not isinstance(ranks, list | tuple):
+        return ranks
+    out = []
+    for r in ranks:
+        if isinstance(r, list | tuple) and 2 <= len(r) <= 3:
+            r = [r[0], pack_files(r[1]), r[2] if len(r) > 2 else ""]
+        out.append(r)
+    return out
+
+
+def pack_args(method: str, args: tuple) -> tuple:
+    """A request's arguments as a client sends them: a commit_rank's files, or each
+    rank's of a commit_ranks, packed (the rest as they are)."""
+    if method == "commit_rank" and len(args) >= 4:
+        return (*args[:3], pack_files(args[3]), *args[4:])
+    if method == "commit_ranks" and len(args) >= 3:
+        return (*args[:2], pack_ranks(args[2]), *args[3:])
+    return args
+
+
 class WireFile(msgspec.Struct):
     """One file of a commit_rank as clients send it (`pack_files`), decoded with its types
     checked by msgspec (protocol.parse_commit): a 4096-rank burst spent ~14 ms per 1024

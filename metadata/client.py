@@ -53,7 +53,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from metadata.ckptformat import pack_files
+from metadata.ckptformat import pack_args
 from metadata.engine import MetaEngine, MetaError
 from metadata.wire.dial import CONNECT_TIMEOUT, Attempt, check_hello, keepalive
 from metadata.wire.protocol import (
@@ -94,7 +94,7 @@ DEADLINE_BYTES_PER_S = 2e6  # a big request's allowance grows by a second per th
 WATCH_TICK = 0.25  # seconds between the watchdog's looks at pending requests
 LONG_METHODS = frozenset(
     {
-        "commit_rank", "manifest", "begin", "abort", "expire", "delete_checkpoint",
+        "commit_rank", "commit_ranks", "manifest", "begin", "abort", "expire", "delete_checkpoint",
         "missing_chunks", "mark_durable", "commit_file", "stats", "sync", "list_checkpoints",
         "checkpoint_info", "renew_chunk_leases", "end_chunk_leases", "set_retention",
     }
@@ -737,8 +737,7 @@ class RemoteEngine(MetaEngine):
         service checks it instead of this connection's own (`behalf`)."""
         out: list[tuple] = []
         for method, args, kwargs in calls:
-            if method == "commit_rank" and len(args) >= 4:
-                args = (*args[:3], pack_files(args[3]), *args[4:])
+            args = pack_args(method, args)  # a commit's files, packed
             key = os.urandom(16) if method in MUTATING_METHODS else None
             with self._lock:
                 rid = self._next_id

@@ -74,6 +74,51 @@ def shutting_down() -> MetaError:
     return MetaError(errno.EAGAIN, "service shutting down; retry")
 
 
+COMMIT_RANKS_MAX = 4096  # ranks in one commit_ranks: a host's, or a few hosts'
+
+
+def rank_items(job: str, step: int, ranks: list) -> list[tuple | MetaError]:
+    """A commit_ranks request's ranks as commit_rank items (job, step, rank, files, host),
+    or each rank's own refusal. The request as a whole is refused (EINVAL, nothing
+    committed) unless `ranks` is a list of at most COMMIT_RANKS_MAX [rank, files] or
+    [rank, files, host] entries. A rank listed twice is refused wherever it appears:
+    which of its two commits was meant is not ours to guess; the other ranks go on."""
+    if not isinstance(ranks, list | tuple):
+        raise MetaError(errno.EINVAL, "commit_ranks: ranks must be a list of [rank, files, host]")
+    if len(ranks) > COMMIT_RANKS_MAX:
+        raise MetaError(
+            errno.EINVAL,
+            f"commit_ranks: at most {COMMIT_RANKS_MAX} ranks in one request, got {len(ranks)}",
+        )
+    items: list[tuple] = []
+    seen: dict[int, int] = {}
+    for r in ranks:
+        if not isinstance(r, list | tuple) or not 2 <= len(r) <= 3:
+            raise MetaError(
+                errno.EINVAL, "commit_ranks: each rank is [rank, files] or [rank, files, host]"
+            )
+        items.append((job, step, r[0], r[1], r[2] if len(r) > 2 else ""))
+        if type(r[0]) is int:
+            seen[r[0]] = seen.get(r[0], 0) + 1
+    if len(seen) == len(items):  # (all distinct ints: the usual case)
+        return list(items)
+    twice = {r: n for r, n in seen.items() if n > 1}
+    return [
+        MetaError(errno.EINVAL, f"commit_ranks: rank {it[2]} appears {twice[it[2]]} times")
+        if type(it[2]) is int and it[2] in twice
+        else it
+        for it in items
+    ]
+
+
+def rank_answer(res: dict | MetaError) -> dict:
+    """One rank's entry in a commit_ranks answer: {"ok": commit_rank's answer}, or
+    {"errno", "error"}: one rank's refusal never fails the others."""
+    if isinstance(res, MetaError):
+        return {"errno": res.errno, "error": str(res)}
+    return {"ok": res}
+
+
 @dataclass
 class Attr:
     ino: int
@@ -410,6 +455,21 @@ class MetaEngine(ABC):
         and drops those of the old extents. Every referenced chunk must be
         known (registered now or before): EIO otherwise, nothing changed.
         """
+
+    def commit_ranks(self, job: str, step: int, ranks: list) -> list[dict]:
+        """Several ranks' commit_rank in one call (a host's agent sends its ranks' so):
+        `ranks` = [[rank, files, host], ...], answered in order, each rank's answer
+        or refusal apart (rank_answer). Here one commit_rank each; the SQL engines
+        write them in one transaction, the service in its group commit."""
+        out = []
+        for item in rank_items(job, step, ranks):
+            if not isinstance(item, MetaError):
+                try:
+                    item = self.commit_rank(*item[:4], host=item[4])  # type: ignore[attr-defined]
+                except MetaError as e:
+                    item = e
+            out.append(rank_answer(item))
+        return out
 
     @abstractmethod
     def missing_chunks(self, ids: list[bytes]) -> set[bytes]:

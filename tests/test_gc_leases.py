@@ -102,7 +102,7 @@ def test_ranks_that_store_the_same_new_chunks_all_commit(meta):
         res = meta.commit_rank("job", 1, r, _rank(f"rank{r}", [shared, own[r]]))
         assert res["state"] == "open"
     # a group of the last rank with a duplicate of the first (its retry) publishes
-    out = meta.commit_ranks(
+    out = meta.commit_group(
         [("job", 1, 2, _rank("rank2", [shared, own[2]]), ""),
          ("job", 1, 0, _rank("rank0", [shared, own[0]]), "")]
     )  # fmt: skip

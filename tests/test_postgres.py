@@ -223,7 +223,7 @@ def test_group_commit_isolates_conflicting_ranks(vol):
         return [{"path": path, "size": 4, "extents": [Extent(0, 4, cid)],
                  "new_chunks": [NewChunk(cid, 4, 4)]}]  # fmt: skip
 
-    out = m.commit_ranks(
+    out = m.commit_group(
         [
             ("g", 1, 0, one("a/x", ids[0]), "h"),
             ("g", 1, 1, one("a/x", ids[1]), "h"),  # same path as rank 0
@@ -296,7 +296,7 @@ def test_vectorized_batch_checks_refuse_exactly_the_bad_ranks(vol):
     m.apply_pending()
     bad = {3: "overlap", 5: "past_end", 8: "zero_len", 13: "bad_state", 17: "zero_chunk"}
     how = {**bad, 19: "unknown", 21: "known"}
-    out = m.commit_ranks([("v", 1, r, rank(r, how.get(r, "")), "h") for r in range(1, n)])
+    out = m.commit_group([("v", 1, r, rank(r, how.get(r, "")), "h") for r in range(1, n)])
     assert isinstance(out[18], MetaError) and out[18].errno == errno.EIO
     for r, res in enumerate(out, start=1):
         if r == 19:
@@ -333,7 +333,7 @@ def test_column_checks_refuse_each_bad_rank_alone(vol):
              "huge_chunk"]  # fmt: skip
     for step, how in enumerate(kinds, start=1):
         m.begin("t", step, n)
-        out = m.commit_ranks([("t", step, r, rank(step, r, how if r == 5 else ""), "h")
+        out = m.commit_group([("t", step, r, rank(step, r, how if r == 5 else ""), "h")
                               for r in range(n - 1)])  # fmt: skip
         for r, res in enumerate(out):
             if r == 5:
@@ -367,7 +367,7 @@ def test_grouped_journal_rows_apply_and_abort_per_rank(vol):
 
     m.begin("q", 1, n)
     m.commit_rank("q", 1, 0, _files("r0", [_cid(b"q0")], [_cid(b"q0")]))  # not closed
-    out = m.commit_ranks([("q", 1, r, rank(1, r), "h") for r in range(1, n)])
+    out = m.commit_group([("q", 1, r, rank(1, r), "h") for r in range(1, n)])
     assert all(o["state"] for o in out[:-1]) and out[-1]["state"] == "published"
     assert m.pending_refs() == 1 + -(-(n - 1) // JOURNAL_GROUP)
     m.apply_pending()
@@ -377,10 +377,10 @@ def test_grouped_journal_rows_apply_and_abort_per_rank(vol):
     assert all(rows[cid].refcount == k == 1 for cid, k in true.items())
     # abort: the grouped rows applied, a later row still pending
     m.begin("q", 2, n + 2)
-    m.commit_ranks([("q", 2, r, rank(2, r), "h") for r in range(n)])
+    m.commit_group([("q", 2, r, rank(2, r), "h") for r in range(n)])
     first = _cid(b"q2-0-0")
     assert m.chunk_info([first])[first][2] == 1  # chunk_info applied everything
-    m.commit_ranks([("q", 2, n, rank(2, n), "h")])
+    m.commit_group([("q", 2, n, rank(2, n), "h")])
     assert m.pending_refs() == 1
     m.abort("q", 2)
     assert m.pending_refs() == 0
@@ -389,7 +389,7 @@ def test_grouped_journal_rows_apply_and_abort_per_rank(vol):
     assert last not in m.chunk_info([last])  # never registered
     # abort with grouped rows pending: none of their ranks' chunks is ever registered
     m.begin("q", 3, n + 1)
-    m.commit_ranks([("q", 3, r, rank(3, r), "h") for r in range(n)])
+    m.commit_group([("q", 3, r, rank(3, r), "h") for r in range(n)])
     assert m.pending_refs() == -(-n // JOURNAL_GROUP)
     m.abort("q", 3)
     ids = [_cid(b"q3-%d-%d" % (r, i)) for r in range(n) for i in range(2)]
@@ -412,10 +412,10 @@ def test_batch_path_checks_refuse_exactly_the_bad_ranks(vol):
         return [{"path": path, "size": 4, "extents": [Extent(0, 4, cid)],
                  "new_chunks": [NewChunk(cid, 4, 4)]}]  # fmt: skip
 
-    good = m.commit_ranks([("p", 1, r, files(r, f"d{r}/f"), "h") for r in range(n) if r not in bad])
+    good = m.commit_group([("p", 1, r, files(r, f"d{r}/f"), "h") for r in range(n) if r not in bad])
     assert all(isinstance(g, dict) for g in good)
     m.begin("p", 2, n)
-    out = m.commit_ranks([("p", 2, r, files(r, bad.get(r, f"d{r}/f")), "h") for r in range(n)])
+    out = m.commit_group([("p", 2, r, files(r, bad.get(r, f"d{r}/f")), "h") for r in range(n)])
     for r, res in enumerate(out):
         if r in bad:
             assert isinstance(res, MetaError), (r, res)
@@ -466,9 +466,9 @@ def test_typed_wire_commits_get_the_errors_of_dict_commits(vol):
         return (*req[2], req[3]["host"])
 
     m.begin("w", 1, n)
-    typed = m.commit_ranks([wire(1, r) for r in range(n)])
+    typed = m.commit_group([wire(1, r) for r in range(n)])
     m.begin("w", 2, n)
-    plain = m.commit_ranks([("w", 2, r, rank(r, bad.get(r, "")), "h") for r in range(n)])
+    plain = m.commit_group([("w", 2, r, rank(r, bad.get(r, "")), "h") for r in range(n)])
     for r, (a, b) in enumerate(zip(typed, plain, strict=True)):
         if r in bad:
             assert isinstance(a, MetaError) and isinstance(b, MetaError), (r, a, b)
@@ -478,7 +478,7 @@ def test_typed_wire_commits_get_the_errors_of_dict_commits(vol):
     assert m.checkpoint_info("w", 1)["committed"] == n - len(bad)
     m.begin("w", 3, n)  # an all-good typed batch: the fast path end to end
     bad.clear()
-    done = m.commit_ranks([wire(3, r) for r in range(n)])
+    done = m.commit_group([wire(3, r) for r in range(n)])
     assert [d["state"] for d in done] == ["published"] * n  # one answer per batch
     assert sorted(f["path"] for f in m.manifest("w", 3)["files"]) == sorted(
         f"d{r}/f" for r in range(n)

@@ -15,7 +15,8 @@ of ranks send them at the same moment:
   validation thread checks everything waiting at once, and a writer thread
   writes it in one transaction while the next batch is validated. Between
   bursts the writer applies the engine's pending-reference journal in small
-  slices;
+  slices. A commit_ranks (a host's ranks' commits in one request) queues each
+  of its ranks so (commitranks.py);
 - manifest: built once per published step (right at publish) and encoded
   once, whole and per rank; a request for a built step is answered on the
   reader, from that encoding, with no thread hop and no database access;
@@ -60,6 +61,7 @@ from metadata.ckptcheck import manifest_ranks, no_durable_step
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.periodic import run_periodic
 from metadata.server.access import ACCESS_POLL_S, ADMIN, Access, Principal, request_binding
+from metadata.server.commitranks import submit_ranks
 from metadata.server.conn import Conn, Link, SocketLink, StreamLink
 from metadata.server.groupcommit import GroupCommit
 from metadata.server.manifests import encode_manifest, manifest_answer
@@ -620,6 +622,9 @@ class MetaService:
                 started = self.counters.commit_arrived(item[0], item[1])
                 slot.add(lambda _s: self.counters.commit_answered(started))
                 self._group.submit(item, slot)
+                return
+            if method == "commit_ranks":  # a host's ranks' commits, each as above
+                submit_ranks(self._group, self.counters, args, kwargs, slot)
                 return
             if method == "wait_published":
                 self._waits.add(conn, slot, *args, **kwargs)

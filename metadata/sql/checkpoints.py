@@ -48,6 +48,8 @@ from metadata.engine import (
     MetaError,
     UnknownChunks,
     internal_error,
+    rank_answer,
+    rank_items,
 )
 from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
@@ -59,7 +61,7 @@ __all__ = [  # the packing helpers, importable from here as before
 
 OPEN, PUBLISHED, ABORTED, DELETED = 0, 1, 2, 3
 STATE_NAMES = {OPEN: "open", PUBLISHED: "published", ABORTED: "aborted", DELETED: "deleted"}
-JOURNAL_MAX = 20_000  # pending journal rows before commit_ranks applies them itself
+JOURNAL_MAX = 20_000  # pending journal rows before commit_group applies them itself
 JOURNAL_GROUP = 32  # rank commits of one step per journal row
 
 CKPT_SCHEMA = [
@@ -236,12 +238,18 @@ class CheckpointMixin(SqlCore):
         self, job: str, step: int, rank: int, files: list[dict], *, host: str = ""
     ) -> dict:
         """Record one rank's files (invisible until publish); the last rank publishes."""
-        res = self.commit_ranks([(job, step, rank, files, host)])[0]
+        res = self.commit_group([(job, step, rank, files, host)])[0]
         if isinstance(res, MetaError):
             raise res
         return res
 
-    def commit_ranks(self, items: list[tuple]) -> list[dict | MetaError]:
+    def commit_ranks(self, job: str, step: int, ranks: list) -> list[dict]:
+        """A host's ranks' commits (engine.MetaEngine.commit_ranks) in one transaction."""
+        items = rank_items(job, step, ranks)
+        done = iter(self.commit_group([it for it in items if not isinstance(it, MetaError)]))
+        return [rank_answer(it if isinstance(it, MetaError) else next(done)) for it in items]
+
+    def commit_group(self, items: list[tuple]) -> list[dict | MetaError]:
         """Group commit: many ranks' commits in one transaction (see `write_commits`)."""
         return self.write_commits(self.prepare_commits(items))
 

@@ -68,7 +68,7 @@ MUTATING_METHODS = frozenset(
         "retain", "set_retention", "apply_retention", "fix_refcounts", "gc_chunk_rows",
         "record_under_replicated", "clear_under_replicated", "drop_chunk_rows",
         "register_chunk_rows", "apply_pending", "renew_chunk_leases", "end_chunk_leases",
-        "gc_orphan_objects", "gc_release_objects",
+        "gc_orphan_objects", "gc_release_objects", "commit_ranks",
     }
 )  # fmt: skip
 REMOTE_METHODS = READ_METHODS | MUTATING_METHODS
@@ -103,6 +103,7 @@ PERMISSIONS: dict[str, tuple[str, str]] = {
     "renew_chunk_leases": ("write", ""), "end_chunk_leases": ("write", ""),
     # checkpoints, written: a writer's own jobs
     "begin": ("write", "job"), "commit_rank": ("write", "job"), "abort": ("write", "job"),
+    "commit_ranks": ("write", "job"),
     "delete_checkpoint": ("write", "job"), "retain": ("write", "job"),
     "set_retention": ("write", "job"), "apply_retention": ("write", "job"),
     # maintenance: gc, fsck and scrub repair, chunk rows, orphans, the volume's clock
@@ -264,28 +265,44 @@ def parse_request(body: bytes | memoryview) -> tuple:
     return head if token is None else (*head, token)
 
 
-_COMMIT_TAG = b"\xabcommit_rank"  # the method name as msgpack encodes it
-_COMMIT = msgspec.msgpack.Decoder(
-    tuple[
-        Annotated[int, msgspec.Meta(gt=0, le=2**63 - 1)],
-        Literal["commit_rank"],
-        tuple[str, int, int, list[WireFile]],
-        dict[str, str],
-        Annotated[bytes, msgspec.Meta(min_length=8, max_length=64)] | None,
-    ]
-)
+_RID = Annotated[int, msgspec.Meta(gt=0, le=2**63 - 1)]
+_KEY = Annotated[bytes, msgspec.Meta(min_length=8, max_length=64)] | None
+_TOKEN = Annotated[str, msgspec.Meta(min_length=1, max_length=TOKEN_MAX)]
+_RANK_ARGS = tuple[str, int, int, list[WireFile]]
+_RANKS_ARGS = tuple[str, int, list[tuple[int, list[WireFile], str]]]  # commit_ranks'
+# (the method name as msgpack encodes it, its arguments): the requests decoded typed
+_COMMITS = ((b"\xabcommit_rank", "commit_rank", _RANK_ARGS),
+            (b"\xaccommit_ranks", "commit_ranks", _RANKS_ARGS))  # fmt: skip
+# by the request's array header: without (0x95) or with (0x96) its own token
+_COMMIT_DECODERS = {
+    tag: {
+        0x95: msgspec.msgpack.Decoder(
+            tuple[_RID, Literal[name], args, dict[str, str], _KEY]  # type: ignore[valid-type]
+        ),
+        0x96: msgspec.msgpack.Decoder(
+            tuple[_RID, Literal[name], args, dict[str, str], _KEY, _TOKEN]  # type: ignore[valid-type]
+        ),
+    }
+    for tag, name, args in _COMMITS
+}
 
 
-def parse_commit(body: bytes | memoryview) -> tuple[int, str, tuple, dict, bytes | None] | None:
-    """A well-typed commit_rank request decoded straight into WireFiles, else None (then
-    `parse_request` decodes it, and the engine's checks name what is wrong). Thousands
-    of ranks send these at once; the typed decode is the service loop's cheapest."""
-    if _COMMIT_TAG not in bytes(body[:24]):  # array header, id (up to 9 bytes), method
-        return None
-    try:
-        return _COMMIT.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+def parse_commit(body: bytes | memoryview) -> tuple | None:
+    """A well-typed commit_rank or commit_ranks request (with or without its own token)
+    decoded straight into WireFiles, else None (then `parse_request` decodes it, and the
+    engine's checks name what is wrong). Thousands of ranks send these at once; the
+    typed decode is the service loop's cheapest."""
+    head = bytes(body[:25])  # array header, id (up to 9 bytes), method
+    for tag, decoders in _COMMIT_DECODERS.items():
+        if tag in head:
+            dec = decoders.get(head[0])
+            if dec is None:
+                return None
+            try:
+                return dec.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return None
+    return None
 
 
 def parse_hello(body: bytes | memoryview) -> dict:
