@@ -3,6 +3,7 @@ fill_cache, tidy): real volumes, real staging directories, real processes for th
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -158,6 +159,7 @@ def test_rank_puts_are_adopted_then_uploaded_and_marked_durable(vol_path, tmp_pa
             for cid, raw in chunks:
                 assert store_vol.store.get(cid) == raw
             assert stager.drained()
+            assert set(tier.stats()) <= set(stager.stats())  # what metrics sums over tiers
         finally:
             stager.close()
             tier.close()
@@ -334,6 +336,35 @@ def test_a_volume_writes_and_reads_through_the_stager(vol_path, agent):
     with Volume.open(vol_path) as plain:
         for i, d in enumerate(datas):
             assert plain.read_file(f"/f{i}") == d
+
+
+def test_a_full_staging_holds_the_ranks_back_and_fails_them_when_nothing_drains(
+    vol_path, tmp_path, caplog
+):
+    """adopt waits for room as the tier's own writers do: ENOSPC only when nothing drains
+    for stall_timeout (nodes down); with the nodes back, saves go through again."""
+    from bench.throttle import throttle_volume
+
+    agent = Volume.open(vol_path)
+    nodes = throttle_volume(agent)
+    agent.attach_tier(str(tmp_path / "staging"), size=3 * MiB, stall_timeout=1.0)
+    rank = Volume.open(vol_path)
+    rank.tier = HostStager(rank.store, agent.tier.root, DirectLink(agent.tier), size=3 * MiB)
+    try:
+        nodes.down = True
+        with pytest.raises(OSError) as ei:
+            rank.write_file("/x", _data(8 * MiB, 3))
+        assert ei.value.errno == errno.ENOSPC and "nothing drained" in caplog.text
+        nodes.down = False
+        agent.tier.flush(timeout=60)
+        data = _data(8 * MiB, 4)
+        rank.write_file("/y", data)  # waits for the uploads to make room, then goes on
+        agent.tier.flush(timeout=60)
+        assert agent.tier.stats()["writer_waits"] > 0
+        assert rank.read_file("/y") == data
+    finally:
+        rank.close()
+        agent.close()
 
 
 # -- real processes: an agent process, rank processes killed -------------------------------

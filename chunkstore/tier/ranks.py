@@ -12,6 +12,7 @@ A mixin of WriteBehindTier (its state: staged_dir, seg, _pending, _staging, _con
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import os
 import threading
@@ -102,24 +103,21 @@ class RankFiles:
         if not new:
             return 0
         self._await_room()
-        total = sum(n for _, n, _ in new)
         t_ns = time.time_ns()
-        with self._cond:  # counted like a reserved write until _now_pending takes it
-            self._used += total
-            self._reserved += total
-        try:
-            self.seg.add_pending([(cid, n, t_ns) for cid, n, _ in new], {})
-        except OSError:
-            with self._cond:
-                self._used -= total
-                self._reserved -= total
-                self._cond.notify_all()
-            raise
+        self.seg.add_pending([(cid, n, t_ns) for cid, n, _ in new], {})
+        # Queued as _now_pending does, and counted in the space estimate now: left to the
+        # next _rescan, a rank could write a budget's worth between two rescans unseen. (The
+        # rescan may have counted some already: corrected at the next one. That looks like
+        # space freed only while adopts go on, so a stall is still seen as one.)
         with self._cond:
             for cid, n, width in new:
                 if width is not None:
                     self._hints[cid] = width
-                self._now_pending(cid, n, t_ns)
+                self._used += n
+                self._own_staged += n
+                self._pending[cid] = (n, t_ns)
+                self._seq += 1
+                heapq.heappush(self._queue, (t_ns, self._seq, cid))
             self._cond.notify_all()
         return len(new)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -126,21 +127,19 @@ class HostStager(StagingReads):
             self.uploaded_bytes += len(data)
             return DURABLE
         with self._lock:
-            known = cid in self._unsynced
-        if not known:
-            tmp = temp_path(self.tmp_dir, "s")  # our pid in the name: tier._clean_tmp
-            n = write_new(tmp, blob, sync=False)
-            with self._lock:
-                if cid in self._unsynced:  # another thread won the race: keep the first
-                    os.unlink(tmp)
-                else:
-                    self._unsynced[cid] = (tmp, n, width)
-        if sync:
+            if not sync and cid in self._unsynced:
+                return STAGED
+        tmp = temp_path(self.tmp_dir, "s")  # our pid in the name: tier._clean_tmp
+        n = write_new(tmp, blob, sync=False)
+        if sync:  # this very file, acknowledged before returning (not someone's batch)
             with self._sync_lock:
-                with self._lock:
-                    ent = self._unsynced.get(cid)
-                if ent is not None:  # else acknowledged meanwhile by a sync_staged
-                    self._acknowledge([(cid, ent)])
+                self._acknowledge([(cid, (tmp, n, width))])
+            return STAGED
+        with self._lock:
+            if cid in self._unsynced:  # another thread won the race: keep the first
+                os.unlink(tmp)
+            else:
+                self._unsynced[cid] = (tmp, n, width)
         return STAGED
 
     def sync_staged(self) -> int:
@@ -168,12 +167,10 @@ class HostStager(StagingReads):
         except BaseException:
             # Unknown what is durable or journaled: nothing is acknowledged. Renamed files
             # stay (the agent adopts or removes them: tidy); temp files go.
-            self._drop([cid for cid, _ in batch])
+            self._drop(batch)
             raise
+        self._forget(batch)
         with self._lock:
-            for cid, (tmp, _, _) in batch:
-                if self._unsynced.get(cid, ("",))[0] == tmp:
-                    del self._unsynced[cid]
             self.adopted_chunks += len(batch)
             self.adopted_bytes += sum(n for _, (_, n, _) in batch)
         self.foreground()
@@ -182,15 +179,21 @@ class HostStager(StagingReads):
     def discard_unsynced(self) -> None:
         """Drop chunks put with sync=False and never acknowledged (their save failed)."""
         with self._sync_lock:
-            self._drop(None)
+            with self._lock:
+                batch = list(self._unsynced.items())
+            self._drop(batch)
 
-    def _drop(self, ids: list[bytes] | None) -> None:
+    def _forget(self, batch: list[tuple[bytes, tuple[str, int, int | None]]]) -> None:
+        """Take these files out of the unsynced set (each entry only if it is that file)."""
         with self._lock:
-            if ids is None:
-                batch, self._unsynced = self._unsynced, {}
-            else:
-                batch = {c: self._unsynced.pop(c) for c in ids if c in self._unsynced}
-        for tmp, _, _ in batch.values():
+            for cid, (tmp, _, _) in batch:
+                if self._unsynced.get(cid, ("",))[0] == tmp:
+                    del self._unsynced[cid]
+
+    def _drop(self, batch: list[tuple[bytes, tuple[str, int, int | None]]]) -> None:
+        """Forget these files and remove those still in tmp/."""
+        self._forget(batch)
+        for _, (tmp, _, _) in batch:
             try:
                 os.unlink(tmp)
             except OSError:  # renamed into staged/ already
@@ -262,6 +265,7 @@ class HostStager(StagingReads):
             "staging": self.root,
             "segment": None,
             "pid": os.getpid(),
+            "host": socket.gethostname(),
             "durability": self.durability,
             "budget_bytes": 0,  # the agent's tier reports the budget, once per host
             "oldest_pending_ns": None,
