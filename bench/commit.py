@@ -16,6 +16,13 @@ one JSON object per engine:
   latest_rpc_ms       N pipelined `latest` RPCs of one job, as at a restart:
                       answered in batches by the service's read thread
 
+With --ranks-per-host K (K > 1) the ranks are grouped K per simulated host, as a
+host's agent groups them (issue 42): each host sends ONE commit_ranks for its K
+ranks and ONE manifest(job, step, ranks=[...]) (and, with --leases, one
+missing_chunks for all their chunks); a rank's commit latency is its host's
+request's. The pings and `latest`s stay one per rank. `hosts` and `ranks_per_host`
+say how the ranks were grouped.
+
 With --jobs J (J > 1) or --meta-replicas R (R > 1) it measures instead whether
 independent jobs commit side by side: J jobs of N ranks each (one load-generator
 process per job, its connection on replica j mod R of R services sharing one
@@ -102,23 +109,47 @@ def _pipelined(client, calls: list[tuple]) -> tuple[float, float, list[float]]:
     return t0, t1, lat
 
 
+def _requests(job: str, step: int, hosts: list[list[int]], files: dict) -> tuple[list, list]:
+    """(commits, manifest requests): one each per rank when every host has one rank
+    (commit_rank with this process as its host, as before --ranks-per-host), else one
+    each per host (commit_ranks, manifest of the host's ranks)."""
+    if all(len(h) == 1 for h in hosts):
+        host = f"bench-{os.getpid()}"
+        return (
+            [("commit_rank", (job, step, h[0], files[h[0]]), {"host": host}) for h in hosts],
+            [("manifest", (job, step), {"rank": h[0]}) for h in hosts],
+        )
+    return (
+        [("commit_ranks", (job, step, [[r, files[r], f"host-{h[0]}"] for r in h]), {})
+         for h in hosts],
+        [("manifest", (job, step), {"ranks": h}) for h in hosts],
+    )  # fmt: skip
+
+
 def worker(
-    url: str, job: str, step: int, ranks: list[int], barrier, out, leases: bool, token: str | None
+    url: str,
+    job: str,
+    step: int,
+    hosts: list[list[int]],
+    barrier,
+    out,
+    leases: bool,
+    token: str | None,
 ) -> None:
     from metadata.client import connect
 
     client = connect(url, token=token)  # None: the volume's admin token (CKPTFS_TOKEN_FILE)
-    host = f"bench-{os.getpid()}"
+    ranks = [r for h in hosts for r in h]
     files = {r: rank_files(r) for r in ranks}
-    payload = [("commit_rank", (job, step, r, files[r]), {"host": host}) for r in ranks]
+    commit_calls, manifest_calls = _requests(job, step, hosts, files)
     pings = client.encode_many([("ping", (), {}) for _ in ranks])
     latests = client.encode_many([("latest", (job,), {}) for _ in ranks])
     asks = client.encode_many(
-        [("missing_chunks", ([c[0] for f in files[r] for c in CHK.iter_unpack(f["new_chunks"])],),
-          {}) for r in ranks]
+        [("missing_chunks", ([c[0] for r in h for f in files[r]
+                              for c in CHK.iter_unpack(f["new_chunks"])],), {}) for h in hosts]
     ) if leases else []  # fmt: skip
-    commits = client.encode_many(payload)
-    manifests = client.encode_many([("manifest", (job, step), {"rank": r}) for r in ranks])
+    commits = client.encode_many(commit_calls)
+    manifests = client.encode_many(manifest_calls)
     barrier.wait()
     base = _pipelined(client, pings)
     barrier.wait()
@@ -128,7 +159,8 @@ def worker(
     # before storing them; the answer leases every one (metadata/sql/leases.py)
     lease = _pipelined(client, asks) if leases else (0.0, 0.0, [])
     barrier.wait()
-    commit = _pipelined(client, commits)
+    t0, t1, lat = _pipelined(client, commits)
+    commit = (t0, t1, [x for h, x in zip(hosts, lat, strict=True) for _ in h])  # per rank
     barrier.wait()
     man = _pipelined(client, manifests)
     client.close()
@@ -274,7 +306,7 @@ def run_jobs(
 
 
 def scoped_vs_admin(
-    engine: str, n: int, procs: int, tmp: str, tls: bool, leases: bool, rounds: int
+    engine: str, n: int, procs: int, tmp: str, tls: bool, leases: bool, rounds: int, per_host: int
 ) -> dict:
     """`rounds` publishes with writer tokens and as many with the admin token, alternating
     which goes first; the scoped credential's checks (server/access.py) cost what this
@@ -282,7 +314,8 @@ def scoped_vs_admin(
     runs: dict[str, list[dict]] = {"admin": [], "scoped": []}
     for r in range(rounds):
         for kind in ("admin", "scoped") if r % 2 == 0 else ("scoped", "admin"):
-            runs[kind].append(run(engine, n, procs, tmp, tls, leases, scoped=kind == "scoped"))
+            scoped = kind == "scoped"
+            runs[kind].append(run(engine, n, procs, tmp, tls, leases, scoped, per_host))
     med = {k: statistics.median(x["publish_ms"] for x in v) for k, v in runs.items()}
     return {
         "engine": engine,
@@ -309,9 +342,11 @@ def run(
     tls: bool = False,
     leases: bool = False,
     scoped: bool = False,
+    per_host: int = 1,
 ) -> dict:
     """One publish of n ranks; `scoped`: the ranks hold a writer token of the job's scope
-    (metadata/server/access.py checks each request), else the volume's admin token."""
+    (metadata/server/access.py checks each request), else the volume's admin token;
+    `per_host`: ranks per simulated host, each host's sent as one request (docstring)."""
     from bench.servers.metaserve import MetaServer, self_signed
     from bench.servers.postgres import PgCluster, pg_available
     from fusefs.client.volume import Volume
@@ -332,6 +367,8 @@ def run(
     token = vol.meta.create_token("bench-ranks", "writer", ["bench"]) if scoped else None
     vol.close()
     server = MetaServer(vol_dir, db=db, tls=self_signed(tmp) if tls else None)
+    hosts = [list(range(h, min(n, h + per_host))) for h in range(0, n, per_host)]
+    procs = min(procs, len(hosts))
     try:
         job, step = "bench", 1
         main = connect(server.url)
@@ -340,7 +377,7 @@ def run(
         barrier = ctx.Barrier(procs + 1)
         out = ctx.Queue()
         ps = [
-            ctx.Process(target=worker, args=(server.url, job, step, list(range(i, n, procs)),
+            ctx.Process(target=worker, args=(server.url, job, step, hosts[i::procs],
                                               barrier, out, leases, token))
             for i in range(procs)
         ]  # fmt: skip
@@ -381,6 +418,8 @@ def run(
         "tls": tls,
         "ranks": n,
         "procs": procs,
+        "hosts": len(hosts),
+        "ranks_per_host": per_host,
         "state": info["state"],
         "publish_ms": round(publish_ms, 1),
         "p50_ms": round(_pct(lat, 0.5) * 1e3, 1),
@@ -416,27 +455,37 @@ def main(argv: list[str] | None = None) -> int:
         help="--rounds publishes with a writer token of the job and as many with the admin "
         "token, alternating: sqlite.scoped_vs_admin (median over median publish_ms)",
     )  # fmt: skip
+    ap.add_argument(
+        "--ranks-per-host", type=int, default=1,
+        help="ranks per simulated host, each host's commits sent as one commit_ranks",
+    )  # fmt: skip
     args = ap.parse_args(argv)
-    if min(args.ranks, args.jobs, args.meta_replicas, args.procs, args.rounds) < 1:
-        ap.error("--ranks, --jobs, --meta-replicas, --procs and --rounds must be at least 1")
+    k = args.ranks_per_host
+    if min(args.ranks, args.jobs, args.meta_replicas, args.procs, args.rounds, k) < 1:
+        ap.error(
+            "--ranks, --jobs, --meta-replicas, --procs, --rounds and --ranks-per-host must be "
+            "at least 1"
+        )
     engines = ["sqlite", "postgres"] if args.engine == "both" else [args.engine]
     multi = args.jobs > 1 or args.meta_replicas > 1
+    if multi and k > 1:
+        ap.error("--ranks-per-host applies to one job on one service (not --jobs, --meta-replicas)")
     tmp = tempfile.mkdtemp(prefix="ckptfs-bench-commit-")
     try:
         procs = min(args.procs, args.ranks)
         results = {
             e: run_jobs(e, args.ranks, args.jobs, args.meta_replicas, tmp, args.tls, args.rounds)
             if multi
-            else scoped_vs_admin(e, args.ranks, procs, tmp, args.tls, args.leases, args.rounds)
+            else scoped_vs_admin(e, args.ranks, procs, tmp, args.tls, args.leases, args.rounds, k)
             if args.scoped
-            else run(e, args.ranks, procs, tmp, args.tls, args.leases)
+            else run(e, args.ranks, procs, tmp, args.tls, args.leases, per_host=k)
             for e in engines
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     # (publish_ms, manifest_fanout_ms) on this 2-core machine, and publish over one round
     # trip of N pipelined pings: the figure that does not depend on the machine's speed
-    targets = {4096: (300, 500), 16384: (1000, None)}.get(args.ranks)
+    targets = {4096: (300, 500), 16384: (1000, None), 65536: (2000, None)}.get(args.ranks)
     doc = {"bench": "commit", "ranks": args.ranks, "targets_ms": targets}
     if args.ranks == 4096:
         doc["target_publish_vs_baseline"] = 10.0
