@@ -62,6 +62,8 @@ class ChunkStore:
         self.replicas = replicas
         self.seed = seed
         self._names = [n.name for n in self.nodes]
+        for n in self.nodes:  # a put keeps a whole object of the id (nodes/base.py)
+            n.content_seed = seed
         self._domains = [n.domain for n in self.nodes]
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="ckptfs-io")
         self._lock = threading.Lock()

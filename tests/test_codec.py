@@ -291,6 +291,6 @@ def test_a_huge_declared_length_with_a_valid_checksum_is_a_bad_replica(name, tmp
     cid = chunk_id(raw, 7)
     store.put_encoded(cid, blob)
     first = store.read_order(cid)[0]
-    first.put(cid, bad)  # the replica read first is the bad one
+    first.plant(cid, bad)  # the replica read first is the bad one
     assert store.get(cid) == raw
     store.close()

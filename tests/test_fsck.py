@@ -95,7 +95,7 @@ def test_flipped_byte_found_and_rewritten(filled, capsys):
     node = vol.store.placement(cid)[0]
     blob = bytearray(node.get(cid))
     blob[len(blob) // 2] ^= 0x01
-    node.put(cid, bytes(blob))
+    node.plant(cid, bytes(blob))  # (a put keeps a whole object)
     rc, rep = fsck_json(capsys, vol)
     assert rc == 1 and kinds(rep) == ["corrupt_replica"]
     rc, rep = fsck_json(capsys, vol, "--repair")
@@ -218,7 +218,7 @@ def test_scrub_rewrites_bad_replica_and_honours_rate(filled):
     node = vol.store.placement(cid)[1]
     blob = bytearray(node.get(cid))
     blob[-1] ^= 0xFF
-    node.put(cid, bytes(blob))
+    node.plant(cid, bytes(blob))  # (a put keeps a whole object)
     rep = scrub(vol)
     assert [p.kind for p in rep.problems] == ["corrupt_replica"] and rep.problems[0].repaired
     codec.verify(node.get(cid))

@@ -47,6 +47,33 @@ def test_an_unsynced_put_never_replaces_an_object(tmp_path):
     assert {c for c, _, _ in n.list()} == {cid, cid2}
 
 
+def test_a_put_never_replaces_a_whole_object_and_replaces_a_damaged_one(tmp_path):
+    """nodes/base.py: a put over a whole object of the id leaves it unchanged (synced or
+    not, with and without the seed), over a damaged or planted one replaces it."""
+    n = _node(tmp_path)
+    raw = os.urandom(5000)
+    cid = chunk_id(raw, 7)
+    blob = codec.encode(raw, "none")
+    n.put(cid, blob)
+    _, final = n._path(cid)
+    ino = os.stat(final).st_ino
+    n.content_seed = 7  # as a ChunkStore sets it
+    for put in (n.put, n.put_nosync):
+        put(cid, codec.encode(raw, "zstd"))  # the same content, another encoding
+        assert os.stat(final).st_ino == ino and n.get(cid) == blob
+    n.sync()
+    n.plant(cid, codec.encode(os.urandom(5000), "none"))  # whole, but of another id
+    n.put(cid, blob)
+    assert n.get(cid) == blob  # the planted object was replaced
+    damaged = bytearray(blob)
+    damaged[-1] ^= 1
+    n.plant(cid, bytes(damaged))
+    n.put_nosync(cid, blob)
+    n.sync()
+    assert n.get(cid) == blob
+    assert os.listdir(os.path.join(n.root, "tmp")) == []
+
+
 def test_listing_reports_only_objects_in_their_fan_out_directories(tmp_path):
     n = _node(tmp_path)
     raw = b"x" * 100

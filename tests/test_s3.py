@@ -108,6 +108,31 @@ def test_s3_node_basics_and_keys(seaweed):
     node.close()
 
 
+def test_s3_put_is_conditional_and_never_replaces_a_whole_object(seaweed):
+    """nodes/s3.py: If-None-Match on every put (SeaweedFS honours it: 412 for a key that
+    exists); a whole object under the id stays, a planted one is replaced."""
+    from chunkstore import codec
+    from chunkstore.ids import chunk_id
+
+    node = S3Node(parse_node_url(seaweed.urls(1, prefix="cond")[0], name="n0"))
+    node.ensure()
+    node.content_seed = 5
+    raw = os.urandom(4000)
+    cid = chunk_id(raw, 5)
+    blob = codec.encode(raw, "none")
+    node.put(cid, blob)
+    etag = node._client.head_object(Bucket=node.bucket, Key=node.key(cid))["ETag"]
+    node.put(cid, codec.encode(raw, "zstd"))  # the same content, another encoding: kept
+    assert node._conditional, "the server refused conditional puts"
+    assert node.get(cid) == blob
+    assert node._client.head_object(Bucket=node.bucket, Key=node.key(cid))["ETag"] == etag
+    node._client.put_object(Bucket=node.bucket, Key=node.key(cid), Body=b"garbage")
+    node.put(cid, blob)
+    assert node.get(cid) == blob  # the planted object was replaced
+    node.delete(cid)
+    node.close()
+
+
 def test_bad_s3_urls_are_clear_errors(tmp_path, seaweed):
     with pytest.raises(ValueError, match="read_timeout"):
         S3Node(parse_node_url("s3://bkt/p?read_timeout=soon", name="n0"))
@@ -206,7 +231,8 @@ def test_fsck_on_s3_finds_injected_problems(tmp_path, seaweed, capsys):
         node = vol.store.placement(ids[1])[1]
         blob = bytearray(node.get(ids[1]))
         blob[100] ^= 0x10
-        node.put(ids[1], bytes(blob))
+        # (a node's put never replaces a whole object: the damage goes in by hand)
+        node._client.put_object(Bucket=node.bucket, Key=node.key(ids[1]), Body=bytes(blob))
         vol.store.nodes[0].put(bytes(16), b"orphan")
         vol_dir = vol.base_dir
     rc, rep = fsck(vol_dir, capsys, "--grace", "0")

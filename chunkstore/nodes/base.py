@@ -5,6 +5,12 @@ never see file names or user-chosen keys, so a backend only has to map a
 16-byte id to a location; no client-supplied string ever becomes a path or an
 object key. All methods are blocking and thread-safe: callers run them in
 worker threads, never on the trio loop.
+
+A put never replaces a whole object: objects are content-addressed, so one already
+under the id whose header checksum (and, once the store has told the node its seed,
+content id) is right holds the same bytes, and the put keeps it. Only a damaged or
+planted object is replaced (scrub's and fsck's repairs rewrite those). So the write
+path needs no delete right, and an honest writer never clobbers anyone's object.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from chunkstore import codec
+from chunkstore.ids import chunk_id
 
 
 class NodeError(Exception):
@@ -31,6 +40,7 @@ class NodeInfo:
 
 class ObjectNode(ABC):
     info: NodeInfo
+    content_seed: int | None = None  # the volume's chunk-id seed (ChunkStore sets it)
 
     @property
     def name(self) -> str:
@@ -42,7 +52,16 @@ class ObjectNode(ABC):
 
     @abstractmethod
     def put(self, cid: bytes, blob: bytes | memoryview) -> None:
-        """Store the object durably (the call returns only once it is)."""
+        """Store the object durably (the call returns only once it is), unless a whole
+        object is there already (module docstring: never overwrite)."""
+
+    def keeps(self, cid: bytes, old: bytes) -> bool:
+        """Is `old`, found under `cid`, a whole object of that id (so a put keeps it)?"""
+        try:
+            raw = codec.decode(old, id_checked=True)
+        except codec.ChunkFormatError:
+            return False
+        return self.content_seed is None or chunk_id(raw, self.content_seed) == cid
 
     def put_nosync(self, cid: bytes, blob: bytes | memoryview) -> None:
         """Store the object; durable only after the next `sync()` (default: at once)."""

@@ -2,9 +2,12 @@
 
 Layout: `ROOT/objects/ab/cd/<32 hex>` with a two-level fan-out so no directory
 grows past ~65k entries per level, and `ROOT/tmp/` for writes in progress.
-A put writes a temp file, fsyncs it, renames it into place and fsyncs the
-directory: a reader sees either no object or the whole object, and an
-acknowledged put survives a crash. Keys are chunk ids rendered as hex, so no
+A put writes a temp file, fsyncs it, renames it into place (never over a whole
+object: RENAME_NOREPLACE, and an object found there is read and kept if whole,
+replaced only if damaged) and fsyncs the directory: a reader sees either no object
+or the whole object, and an acknowledged put survives a crash. That a writer cannot
+replace or delete objects by other means is up to the directory's permissions (the
+node is a directory every writer's uid can write). Keys are chunk ids rendered as hex, so no
 caller-supplied string can name a path outside ROOT.
 """
 
@@ -91,14 +94,18 @@ class DirNode(ObjectNode):
                     self._made.add(d)
             tmp = temp_path(self._tmp, f"{cid.hex()}.")
             write_new(tmp, blob, sync=sync)
-            if sync:
-                os.rename(tmp, final)  # durable content replaces whatever was there
-            elif not rename_noreplace(tmp, final):
-                # Never put an unsynced file over an object: metadata may name the old one
-                # already, and a power cut could tear it. The object there has the same
-                # content (ids are content); our sync() makes it durable for our commit,
-                # in case its writer has not synced it yet.
-                os.unlink(tmp)
+            if not rename_noreplace(tmp, final):
+                # Never replace a whole object (ids are content: it holds these bytes, and
+                # metadata may name it already); a damaged or planted one is replaced, by
+                # a synced file only (a power cut must not tear what a reader may need).
+                if self._whole(cid, final):
+                    os.unlink(tmp)
+                    if sync:  # its writer may not have synced it yet: we rely on it now
+                        _fdatasync(final)
+                else:
+                    if not sync:
+                        _fdatasync(tmp)
+                    os.rename(tmp, final)
             if not sync:
                 with self._lock:
                     self._unsynced[final] = d
@@ -110,6 +117,13 @@ class DirNode(ObjectNode):
             raise NodeError(f"node {self.name}: {e}") from e
         except OSError as e:
             raise NodeError(f"node {self.name}: put {cid.hex()}: {e.strerror or e}") from e
+
+    def _whole(self, cid: bytes, final: str) -> bool:
+        try:
+            with open(final, "rb") as f:
+                return self.keeps(cid, f.read())
+        except FileNotFoundError:
+            return False
 
     def get(self, cid: bytes) -> bytes:
         _, final = self._path(cid)
@@ -188,6 +202,22 @@ class DirNode(ObjectNode):
     def wipe(self) -> None:
         """Delete every object (tests simulating a lost node)."""
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def plant(self, cid: bytes, blob: bytes) -> None:
+        """Write `blob` over the object, whatever is there (tests planting damage: a put
+        never replaces a whole object)."""
+        d, final = self._path(cid)
+        os.makedirs(d, exist_ok=True)
+        with open(final, "wb") as f:
+            f.write(blob)
+
+
+def _fdatasync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fan_dirs(path: str) -> list[str]:

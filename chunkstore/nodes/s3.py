@@ -15,6 +15,7 @@ mode adds exponential backoff with jitter for transient errors and throttling.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 from chunkstore.ids import check_id, from_hex
 from chunkstore.nodes import redact_url
 from chunkstore.nodes.base import NodeError, NodeInfo, ObjectMissing, ObjectNode
+
+log = logging.getLogger("ckptfs.s3node")
 
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _NO_BUCKET_CODES = {"NoSuchBucket"}
@@ -74,6 +77,17 @@ def _session(profile: str | None, credentials_file: str | None, info: NodeInfo):
     return boto3.session.Session(botocore_session=core, profile_name=profile)
 
 
+_EXISTS_CODES = ("PreconditionFailed", "ConditionalRequestConflict")
+
+
+def _status(e: ClientError) -> int:
+    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+
+
+def _code(e: ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
 class S3Node(ObjectNode):
     def __init__(self, info: NodeInfo) -> None:
         self.info = info
@@ -107,6 +121,7 @@ class S3Node(ObjectNode):
             config=config,
         )
         self._lock = threading.Lock()
+        self._conditional = True  # If-None-Match on puts, until the server refuses it
 
     # -- keys -------------------------------------------------------------
     def key(self, cid: bytes) -> str:
@@ -147,9 +162,36 @@ class S3Node(ObjectNode):
             raise self._err("create bucket", None, e) from e
 
     def put(self, cid: bytes, blob: bytes | memoryview) -> None:
+        """A conditional put (If-None-Match: *): an object already under the key is not
+        replaced, and is kept if whole (nodes/base.py). A server that refuses the
+        condition (NotImplemented) gets head, then put, from then on: a put racing
+        another writer's of the same id may then replace it, with the same bytes (ids are
+        content), so only a writer that puts garbage under an id can hurt that race, and
+        it can do that unconditionally anyway. A damaged or planted object found is
+        replaced by an unconditional put (the same race, the same bytes)."""
         body = blob if isinstance(blob, bytes) else bytes(blob)
+        key = self.key(cid)
         try:
-            self._client.put_object(Bucket=self.bucket, Key=self.key(cid), Body=body)
+            if self._conditional:
+                try:
+                    self._client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
+                    return
+                except ClientError as e:
+                    if _status(e) in (501, 400) and _code(e) not in _EXISTS_CODES:
+                        log.warning("node %s: no conditional puts (%s): head, then put",
+                                    self.name, _code(e))  # fmt: skip
+                        self._conditional = False
+                    elif _status(e) not in (409, 412) and _code(e) not in _EXISTS_CODES:
+                        raise
+            try:
+                old = self._client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            except ClientError as e:
+                if not isinstance(self._err("get", cid, e), ObjectMissing):
+                    raise
+                old = None
+            if old is not None and self.keeps(cid, old):
+                return
+            self._client.put_object(Bucket=self.bucket, Key=key, Body=body)
         except (ClientError, BotoCoreError) as e:
             raise self._err("put", cid, e) from e
 
