@@ -136,7 +136,7 @@ def prepare_commits(items: list[tuple]) -> tuple[list[Any], list[tuple]]:
     jobs: set[str] = set()  # job names checked in this batch (one per step, usually)
     for i, item in enumerate(items):
         try:
-            job, step, rank, files, host = item
+            job, step, rank, files, host = item[:5]  # (a sixth: checkpoints.py)
             if type(job) is not str or job not in jobs:
                 jobs.add(check_job(job))
             if type(step) is not int or not 0 <= step < 2**62:  # (the usual ones: no call)

@@ -9,6 +9,9 @@ condemns it (`gc_orphan_objects`): no row names it and no writer holds a lease o
 writer's uncommitted chunks are leased from the "which exist?" answer until its commit,
 however long the file stays open; a lease that lapsed is refused at commit, so no commit
 names an object gc may have deleted (metadata/sql/leases.py has the races).
+
+First, gc vouches for the chunk rows scoped writers registered (fusefs/maint/verify.py):
+their whole objects then count for every scope's deduplication.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from fusefs.cli.progress import Progress
 from fusefs.client.volume import Volume
 from fusefs.maint.backup import BackupError, backup_named, is_backup_id
 from fusefs.maint.fsck import DEFAULT_GRACE
+from fusefs.maint.verify import verify_chunks
 
 log = logging.getLogger("ckptfs.gc")
 
@@ -36,6 +40,8 @@ class GcReport:
     bytes_freed: int = 0
     young_objects_skipped: int = 0
     tmp_files_deleted: int = 0  # partial replica writes a crash left on directory nodes
+    chunks_verified: int = 0  # scoped writers' chunk rows proven stored (verify.py)
+    chunks_unproven: int = 0  # ... and left unverified (fewer than R whole replicas)
     errors: list[str] = field(default_factory=list)
     # backup objects on the nodes that are unreadable or ill-formed (planted, or damaged):
     # skipped, not an error of gc's ({"object", "backup", "problem"}, fusefs/maint/backup.py)
@@ -51,6 +57,9 @@ def gc(vol: Volume, *, grace: float = DEFAULT_GRACE, progress: bool | None = Non
         raise ValueError(f"grace period must be >= 0 seconds, got {grace}")
     t0 = time.monotonic()
     rep = GcReport()
+    if hasattr(vol.meta, "unverified_chunks"):
+        checked = verify_chunks(vol)
+        rep.chunks_verified, rep.chunks_unproven = checked.verified, checked.unproven
     while True:
         gone = vol.meta.gc_chunk_rows(grace)
         rep.rows_deleted += len(gone)

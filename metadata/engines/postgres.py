@@ -358,12 +358,9 @@ class PostgresEngine(SqlEngine):
         arrays' order (sorted ids), so conflicting rows are locked in id order."""
         cols = list(zip(*rows, strict=True))
         c.execute(
-            "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched) "
+            "INSERT INTO chunks (id, raw_len, stored_len, refcount, state, touched, domain) "
             "SELECT * FROM unnest(%s::bytea[], %s::bigint[], %s::bigint[], %s::bigint[], "
-            "%s::bigint[], %s::bigint[]) ON CONFLICT (id) DO UPDATE SET "
-            "refcount = chunks.refcount + excluded.refcount, touched = excluded.touched, "
-            "state = CASE WHEN excluded.state > chunks.state THEN excluded.state "
-            "ELSE chunks.state END",
+            "%s::bigint[], %s::bigint[], %s::bigint[]) " + self.UPSERT_TAIL,
             [[bytes(v) for v in cols[0]], *(list(col) for col in cols[1:])],
         )
 

@@ -44,8 +44,10 @@ SCHEMA = [
     "CREATE INDEX IF NOT EXISTS dentries_ino ON dentries (ino)",
     """CREATE TABLE IF NOT EXISTS chunks (
         id BLOB PRIMARY KEY, raw_len INTEGER NOT NULL, stored_len INTEGER NOT NULL,
-        refcount INTEGER NOT NULL, state INTEGER NOT NULL, touched INTEGER NOT NULL)
-        WITHOUT ROWID""",
+        refcount INTEGER NOT NULL, state INTEGER NOT NULL, touched INTEGER NOT NULL,
+        domain INTEGER) WITHOUT ROWID""",
+    # Rows a scoped writer registered, not yet verified on the nodes (chunkrefs.py: domain)
+    "CREATE INDEX IF NOT EXISTS chunks_unverified ON chunks (id) WHERE domain IS NOT NULL",
     # Chunk references taken by checkpoint commits, applied to `chunks` in bulk off the
     # publish path (sqlbase.apply_pending). One row holds up to JOURNAL_GROUP rank commits
     # of one step: `ranks` packed (`rank` is the first), `chunks` new chunks as CHK records
@@ -55,7 +57,7 @@ SCHEMA = [
     """CREATE TABLE IF NOT EXISTS ref_journal (
         id INTEGER PRIMARY KEY, job TEXT NOT NULL, step INTEGER NOT NULL,
         rank INTEGER NOT NULL, chunks BLOB NOT NULL, refs BLOB NOT NULL,
-        ranks BLOB NOT NULL DEFAULT x'', owned BLOB NOT NULL DEFAULT x'')""",
+        ranks BLOB NOT NULL DEFAULT x'', owned BLOB NOT NULL DEFAULT x'', domain INTEGER)""",
     "CREATE INDEX IF NOT EXISTS ref_journal_step ON ref_journal (job, step)",
     # The bytes of INLINE chunks (engine.INLINE_DATA_MAX): deleted with their chunk row. A
     # rowid table: its leaf keeps a row up to a page minus 35 bytes, where a WITHOUT ROWID

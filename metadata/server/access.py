@@ -56,6 +56,10 @@ class Principal:
     roots: tuple[bytes, ...]  # absolute paths, no trailing slash
     expires: float  # 0: never
     digest: bytes
+    # the trust domain of the chunks it registers (metadata/sql/chunkrefs.py): one per
+    # scope, so tokens of the same scope (which may overwrite each other's files anyway)
+    # deduplicate against each other's claims; None for the admin (trusted)
+    domain: int | None = None
 
     @property
     def admin(self) -> bool:
@@ -84,8 +88,35 @@ ADMIN = Principal("admin", "admin", frozenset(), (), 0.0, ADMIN_DIGEST)
 def principal_of(rec: TokenRecord) -> Principal:
     roots = {p.encode() for p in rec.prefixes} | {b"/" + j.encode() for j in rec.jobs}
     return Principal(
-        rec.name, rec.role, frozenset(rec.jobs), tuple(sorted(roots)), rec.expires, rec.digest
+        rec.name,
+        rec.role,
+        frozenset(rec.jobs),
+        tuple(sorted(roots)),
+        rec.expires,
+        rec.digest,
+        scope_domain(rec.jobs, rec.prefixes),
     )
+
+
+def scope_domain(jobs: tuple[str, ...] | list[str], prefixes: tuple[str, ...] | list[str]) -> int:
+    """A scope's trust domain: a positive 31-bit digest of its jobs and prefixes."""
+    text = "\0".join(["j", *sorted(jobs), "p", *sorted(prefixes)]).encode()
+    n = int.from_bytes(hashlib.blake2b(text, digest_size=4).digest(), "big") & 0x7FFFFFFF
+    return n or 1
+
+
+# Methods told the caller's trust domain (a scoped credential's; chunkrefs.py)
+DOMAIN_METHODS = frozenset(
+    {"missing_chunks", "commit_file", "commit_rank", "commit_ranks", "mark_durable"}
+)
+
+
+def with_domain(p: Principal, method: str, kwargs: dict) -> dict:
+    """A scoped caller's request as the engine runs it: its trust domain set by the
+    service (whatever the client sent), so its chunk claims count only for its scope."""
+    if p.domain is None or method not in DOMAIN_METHODS:
+        return kwargs
+    return {**kwargs, "domain": p.domain}
 
 
 def denied(p: Principal, method: str, why: str) -> MetaError:

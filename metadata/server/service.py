@@ -60,7 +60,14 @@ import trio
 from metadata.ckptcheck import manifest_ranks, no_durable_step
 from metadata.engine import MetaEngine, MetaError, internal_error, shutting_down
 from metadata.periodic import run_periodic
-from metadata.server.access import ACCESS_POLL_S, ADMIN, Access, Principal, request_binding
+from metadata.server.access import (
+    ACCESS_POLL_S,
+    ADMIN,
+    Access,
+    Principal,
+    request_binding,
+    with_domain,
+)
 from metadata.server.commitranks import submit_ranks
 from metadata.server.conn import Conn, Link, SocketLink, StreamLink
 from metadata.server.groupcommit import GroupCommit
@@ -148,9 +155,9 @@ def _check_hello_size(head: bytes) -> None:
 
 
 def _commit_args(
-    job: str, step: int, rank: int, files: list, *, host: str = ""
-) -> tuple[str, int, int, list, str]:
-    return job, step, rank, files, host
+    job: str, step: int, rank: int, files: list, *, host: str = "", domain: int | None = None
+) -> tuple[str, int, int, list, str, int | None]:
+    return job, step, rank, files, host, domain
 
 
 def _manifest_args(
@@ -581,6 +588,7 @@ class MetaService:
             p = now_p
             if len(req) <= 5:
                 conn.principal = now_p
+            kwargs = with_domain(p, method, kwargs)  # its chunk claims: its scope's only
         if PERMISSIONS[method][0] == "admin":
             self.stats["admin_calls"] += 1
             log.info("admin call %s by token %s", method, p.name)

@@ -174,7 +174,12 @@ class SqlEngine(
 
     # -- volume --------------------------------------------------------------
     # Columns added since the first volumes, by table (declarations in SQLite's dialect).
-    UPGRADES = {"inodes": {"alloc": "INTEGER NOT NULL DEFAULT -1"}}
+    UPGRADES = {
+        "inodes": {"alloc": "INTEGER NOT NULL DEFAULT -1"},
+        # who registered a chunk row (chunkrefs.py): NULL, trusted, for an older volume's
+        "chunks": {"domain": "INTEGER"},
+        "ref_journal": {"domain": "INTEGER"},
+    }
     # tables since the first volumes (made from `_ddl` at open: made lazily, inside a
     # writer's transaction, one held the schema lock for every other writer's first call)
     TABLES_ADDED = (
@@ -204,6 +209,9 @@ class SqlEngine(
                 self._lock_named(c, SCHEMA_LOCK)
                 for table, cols in todo.items():
                     self._add_columns(c, table, cols)
+                if "chunks" in todo:  # its index of unverified rows (sqlite.SCHEMA)
+                    (stmt,) = [s for s in self._ddl() if " chunks_unverified " in s]
+                    self._x(c, stmt)
                 for table in tables:  # IF NOT EXISTS: another process may have made it
                     (stmt,) = [s for s in self._ddl() if f" EXISTS {table} (" in s]
                     self._x(c, stmt)

@@ -51,6 +51,7 @@ from metadata.engine import (
     rank_answer,
     rank_items,
 )
+from metadata.sql.chunkrefs import check_domain
 from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
 
@@ -88,20 +89,21 @@ def _now() -> int:
     return time.time_ns()
 
 
-def _journal_rows(by_step: dict[tuple[str, int], list[tuple]]) -> list[tuple]:
+def _journal_rows(by_step: dict[tuple[str, int, int | None], list[tuple]]) -> list[tuple]:
     """ref_journal rows for a group commit's (rank, chunks, refs, closed) entries: up to
-    JOURNAL_GROUP ranks of one step per row. Thousands of rows of a few KB each cost
-    more than the blobs (measured: ~100 ms of a 4096-rank write), and an applied slice
-    is still small. Blobs are bytearrays (see SqlEngine._bulk_insert)."""
+    JOURNAL_GROUP ranks of one step and trust domain (chunkrefs.py) per row. Thousands
+    of rows of a few KB each cost more than the blobs (measured: ~100 ms of a 4096-rank
+    write), and an applied slice is still small. Blobs are bytearrays (see
+    SqlEngine._bulk_insert)."""
     rows = []
-    for (job, step), entries in by_step.items():
+    for (job, step, domain), entries in by_step.items():
         for g in range(0, len(entries), JOURNAL_GROUP):
             part = entries[g : g + JOURNAL_GROUP]
             ranks = _BLOB.join(RANK.pack(e[0]) for e in part)
             chunks = _BLOB.join(e[1] for e in part if not e[3])
             refs = _BLOB.join(e[2] for e in part)
             owned = _BLOB.join(e[1] for e in part if e[3])
-            rows.append((job, step, part[0][0], ranks, chunks, refs, owned))
+            rows.append((job, step, part[0][0], ranks, chunks, refs, owned, domain))
     return rows
 
 
@@ -253,11 +255,23 @@ class CheckpointMixin(SqlCore):
         """Group commit: many ranks' commits in one transaction (see `write_commits`)."""
         return self.write_commits(self.prepare_commits(items))
 
-    def prepare_commits(self, items: list[tuple]) -> tuple[list[Any], list[tuple]]:
+    def prepare_commits(self, items: list[tuple]) -> tuple[list[Any], list[tuple], dict]:
         """Validate a group commit without touching the database: (outcomes so far, the
-        valid commits). Pure CPU work, so the service runs it for the next batch while
-        the previous one is being written (ckptcheck.prepare_commits)."""
-        return prepare_commits(items)
+        valid commits, {item index: trust domain}). Pure CPU work, so the service runs it
+        for the next batch while the previous one is being written
+        (ckptcheck.prepare_commits). An item may carry a sixth field, its committer's
+        trust domain (the service sets it for a scoped credential; chunkrefs.py)."""
+        out, todo = prepare_commits(items)
+        domains = {}
+        for i, item in enumerate(items):
+            if len(item) > 5 and item[5] is not None:
+                try:
+                    domains[i] = check_domain(item[5])
+                except MetaError as e:
+                    out[i] = e
+        if domains and any(isinstance(out[i], MetaError) for i in domains):
+            todo = [t for t in todo if out[t[0]] is None]
+        return (out, todo, domains) if domains else (out, todo)
 
     @retried
     def write_commits(self, prepared: tuple[list[Any], list[tuple]]) -> list[dict | MetaError]:
@@ -269,7 +283,8 @@ class CheckpointMixin(SqlCore):
         to a savepoint and redoes it rank by rank, each in its own savepoint, for
         exact errors.
         """
-        out, todo = prepared
+        out, todo = prepared[:2]
+        domains = prepared[2] if len(prepared) > 2 else {}
         out = list(out)
         if not todo:
             return out
@@ -284,7 +299,7 @@ class CheckpointMixin(SqlCore):
             self._lock_named(c, CHUNK_GATE, shared=True)
             self._x(c, "SAVEPOINT batch")
             try:
-                res = self._commit_group(c, todo, careful=False)
+                res = self._commit_group(c, todo, careful=False, domains=domains)
             except self._retryable:
                 raise  # the whole transaction runs again (txlocks.retried)
             except Exception:  # noqa: BLE001 - a conflict; the careful pass names it
@@ -293,7 +308,7 @@ class CheckpointMixin(SqlCore):
                 for t in todo:
                     self._x(c, "SAVEPOINT one")
                     try:
-                        res.update(self._commit_group(c, [t], careful=True))
+                        res.update(self._commit_group(c, [t], careful=True, domains=domains))
                     except MetaError as e:
                         self._x(c, "ROLLBACK TO SAVEPOINT one")
                         res[t[0]] = e
@@ -324,7 +339,9 @@ class CheckpointMixin(SqlCore):
             self.apply_retention(job)
         return out
 
-    def _commit_group(self, c: Any, todo: list[tuple], careful: bool) -> dict[int, Any]:
+    def _commit_group(
+        self, c: Any, todo: list[tuple], careful: bool, domains: dict | None = None
+    ) -> dict[int, Any]:
         """Write every valid commit of `todo` with bulk statements; {item index: result}.
 
         careful=False raises on a conflict it cannot attribute (the caller then
@@ -374,7 +391,7 @@ class CheckpointMixin(SqlCore):
                     fresh.append(t)
         fresh = self._known_refs(c, fresh, res)
         if fresh:
-            self._write_ranks(c, fresh, steps, now, careful)
+            self._write_ranks(c, fresh, steps, now, careful, domains or {})
         briefs: dict[tuple[str, int], dict] = {}
         for key in {(t[1], t[2]) for t in fresh}:
             n = self._one(c, "SELECT COUNT(*) FROM ckpt_ranks WHERE job = ? AND step = ?", key)[0]
@@ -441,7 +458,7 @@ class CheckpointMixin(SqlCore):
         return keep
 
     def _write_ranks(
-        self, c: Any, fresh: list[tuple], steps: dict, now: int, careful: bool
+        self, c: Any, fresh: list[tuple], steps: dict, now: int, careful: bool, domains: dict
     ) -> None:
         """Directories, inodes, dentries, rank records and journal rows, one statement each."""
         # Directories: resolve level by level; new ones get placeholder ids (< 0) first.
@@ -535,13 +552,13 @@ class CheckpointMixin(SqlCore):
                 [(n, ino) for ino, n in sorted(nlink.items())],
             )
         rank_rows = []
-        journal: dict[tuple[str, int], list[tuple]] = {}
+        journal: dict[tuple[str, int, int | None], list[tuple]] = {}
         packed = bytearray(np.array(inos[first:], "<u8"))  # INO records, every file's
         k = 0
         # new chunks gc may have deleted are refused (leases.py); ranks carry no INLINE ones.
         # A generator: read only when gc has condemned something at all.
         self._refuse_doomed(c, (bytes(r[0]) for t in fresh for r in CHK.iter_unpack(t[9][2])))
-        for _i, job, step, rank, files, host, digest, new_bytes, closed, parts in fresh:
+        for i, job, step, rank, files, host, digest, new_bytes, closed, parts in fresh:
             size, paths, chunks, refs = parts[:4]
             n = len(files)
             rank_rows.append(
@@ -550,7 +567,8 @@ class CheckpointMixin(SqlCore):
             )  # fmt: skip
             k += INO.size * n
             if refs or chunks:
-                journal.setdefault((job, step), []).append((rank, chunks, refs, closed))
+                key = (job, step, domains.get(i))  # (a trusted committer's: None)
+                journal.setdefault(key, []).append((rank, chunks, refs, closed))
         self._bulk_insert(
             c,
             "ckpt_ranks",
@@ -559,7 +577,7 @@ class CheckpointMixin(SqlCore):
         )
         if journal:
             self._bulk_insert(
-                c, "ref_journal", "job, step, rank, ranks, chunks, refs, owned",
+                c, "ref_journal", "job, step, rank, ranks, chunks, refs, owned, domain",
                 _journal_rows(journal),
             )  # fmt: skip
 

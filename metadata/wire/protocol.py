@@ -58,6 +58,7 @@ READ_METHODS = frozenset(
         "latest", "latest_durable", "manifest", "list_checkpoints", "checkpoint_info",
         "pending_refs", "get_retention", "chunk_rows", "true_refcounts", "files_using",
         "inode_path", "known_chunks", "under_replicated", "parent", "sync", "changes_since",
+        "unverified_chunks",
     }
 )  # fmt: skip
 MUTATING_METHODS = frozenset(
@@ -68,7 +69,7 @@ MUTATING_METHODS = frozenset(
         "retain", "set_retention", "apply_retention", "fix_refcounts", "gc_chunk_rows",
         "record_under_replicated", "clear_under_replicated", "drop_chunk_rows",
         "register_chunk_rows", "apply_pending", "renew_chunk_leases", "end_chunk_leases",
-        "gc_orphan_objects", "gc_release_objects", "commit_ranks",
+        "gc_orphan_objects", "gc_release_objects", "commit_ranks", "mark_verified",
     }
 )  # fmt: skip
 REMOTE_METHODS = READ_METHODS | MUTATING_METHODS
@@ -115,6 +116,8 @@ PERMISSIONS: dict[str, tuple[str, str]] = {
     "chunk_rows": ("admin", ""), "true_refcounts": ("admin", ""), "files_using": ("admin", ""),
     "inode_path": ("admin", ""), "known_chunks": ("admin", ""),
     "under_replicated": ("admin", ""),
+    # the verifier (fusefs/maint/verify.py): scoped writers' chunk claims checked on the nodes
+    "unverified_chunks": ("admin", ""), "mark_verified": ("admin", ""),
 }  # fmt: skip
 
 
