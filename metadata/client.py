@@ -238,6 +238,8 @@ class RemoteEngine(MetaEngine):
 
     def _where(self, i: int) -> str:
         host, port = self.replicas[i]
+        if host.startswith("/"):  # a Unix socket (wire/dial.py)
+            return host
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def _connect(
@@ -729,16 +731,23 @@ class RemoteEngine(MetaEngine):
         return self.submit_encoded(self.encode_many(calls))
 
     def encode_many(
-        self, calls: list[tuple[str, tuple, dict]], *, token: str | None = None
+        self,
+        calls: list[tuple[str, tuple, dict]],
+        *,
+        token: str | None = None,
+        keys: list[bytes | None] | None = None,
     ) -> list[tuple]:
         """Encode requests now (ids and idempotency keys assigned) to send later with
         `submit_encoded`: a process speaking for many ranks can pay the encoding
         before the moment they all send. `token`: each request carries it, and the
-        service checks it instead of this connection's own (`behalf`)."""
+        service checks it instead of this connection's own (`behalf`). `keys`: the keys
+        to send (a host's agent forwards its ranks' own: a retry is still applied once)."""
         out: list[tuple] = []
-        for method, args, kwargs in calls:
+        for i, (method, args, kwargs) in enumerate(calls):
             args = pack_args(method, args)  # a commit's files, packed
-            key = os.urandom(16) if method in MUTATING_METHODS else None
+            key = keys[i] if keys is not None else None
+            if key is None and method in MUTATING_METHODS:
+                key = os.urandom(16)
             with self._lock:
                 rid = self._next_id
                 self._next_id += 1

@@ -23,6 +23,7 @@ from chunkstore.store import ChunkStoreError
 from fusefs.cli.progress import Progress
 from fusefs.cli.text import shown
 from fusefs.cli.units import format_size, parse_size
+from fusefs.client.registry import open_volume
 from fusefs.client.volume import Volume, VolumeError, VolumeSettings, default_nodes_dir
 from metadata.engine import MetaError
 
@@ -34,6 +35,7 @@ COMMAND_MODULES: list[str] = [
     "fusefs.cli.tier",
     "fusefs.cli.demo",
     "fusefs.cli.tokens",
+    "fusefs.cli.agent",
 ]
 # Packages above this one (the load-test harness) add theirs through this entry-point group,
 # so that no import runs from fusefs up to them.
@@ -120,7 +122,7 @@ def cmd_put(args: argparse.Namespace) -> int:
         except OSError as e:
             raise UserError(f"cannot read {args.local_file}: {e.strerror}") from e
         label = f"put {os.path.basename(args.local_file)}"
-    with src, Volume.open(args.volume) as vol:
+    with src, open_volume(args.volume) as vol:
         st = os.fstat(src.fileno())
         total = st.st_size if stat.S_ISREG(st.st_mode) else 0  # a pipe: no size known
         bufsize = vol.settings.chunk_size
@@ -154,7 +156,7 @@ def _get_to_stdout(vol: Volume, r) -> int:
 
 
 def cmd_get(args: argparse.Namespace) -> int:
-    with Volume.open(args.volume) as vol:
+    with open_volume(args.volume) as vol:
         if args.local_file == STDIO:
             with vol.open_read(args.vol_path) as r:
                 code = _get_to_stdout(vol, r)

@@ -38,15 +38,27 @@ def volume_for(spec: str, tier: TierSpec = None, *, token: str | None = None) ->
     with _VLOCK:
         vol = _VOLUMES.get(key)
         if vol is None:
-            vol = Volume.open(spec, workers=_pool_size(), token=token)
-            if tier is not None:
-                try:
-                    vol.attach_tier(tier[0], tier[2], tier[1])
-                except BaseException:
-                    vol.close()
-                    raise
-            _VOLUMES[key] = vol
+            vol = _VOLUMES[key] = open_volume(spec, tier, token=token)
         return vol
+
+
+def open_volume(spec: str, tier: TierSpec = None, *, token: str | None = None) -> Volume:
+    """A volume for this process (the caller closes it): through the host's agent when one
+    answers on the volume's socket (fusefs.agent: its service connection, uploaders and
+    cache are the host's), else its own, with its own tier when `tier` asks for one."""
+    from fusefs.agent.rank import agent_volume
+
+    vol = agent_volume(spec, tier, token=token, workers=_pool_size())
+    if vol is not None:
+        return vol
+    vol = Volume.open(spec, workers=_pool_size(), token=token)
+    if tier is not None:
+        try:
+            vol.attach_tier(tier[0], tier[2], tier[1])
+        except BaseException:
+            vol.close()
+            raise
+    return vol
 
 
 def _pool_size() -> int:
@@ -93,8 +105,8 @@ def close_volumes(drain_timeout: float | None = EXIT_DRAIN_S) -> None:
         mine = [k for k in _VOLUMES if k[0] == os.getpid()]
         vols = [_VOLUMES.pop(k) for k in mine]
     for v in vols:
-        try:
-            if v.tier is not None and drain_timeout:
+        try:  # (a volume through the host's agent leaves its chunks to the agent)
+            if v.tier is not None and drain_timeout and v.agent is None:
                 v.tier.flush(timeout=drain_timeout)
         except Exception as e:  # the journal keeps what did not drain
             log.warning("write-behind tier not drained at exit: %s", e)

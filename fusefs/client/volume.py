@@ -147,6 +147,7 @@ class Volume:
         self.workers = workers or 8  # threads of `pool`
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ckptfs-chunk")
         self.tier = None  # the write-behind tier, when one is attached
+        self.agent: str | None = None  # the host agent's socket, when opened through one
         self.sink = ChunkSink(self)
 
     # -- opening -------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Opening a connection to one service replica: TCP keepalive, and one plain-TCP attempt
 (non-blocking connect, hello, answer) that the client races across its replicas
-(metadata/client.py `RemoteEngine._race`)."""
+(metadata/client.py `RemoteEngine._race`). A replica whose host is an absolute path is a
+Unix socket (a host's ckptfs agent speaks the same protocol there; its port is ignored)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,10 @@ class Attempt:
         self.result: socket.socket | None = None
         self.error: MetaError | None = None
         host, port = eng.replicas[i]
+        if host.startswith("/"):  # a Unix socket (a host's ckptfs agent: fusefs/agent)
+            self.addrs = [(socket.AF_UNIX, socket.SOCK_STREAM, 0, "", host)]
+            self._next_address(None)
+            return
         try:
             self.addrs = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as e:

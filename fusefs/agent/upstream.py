@@ -1,0 +1,93 @@
+"""The agent's way to the metadata: its one service connection, or the embedded engine.
+
+`RemoteUpstream` sends each rank's request over the agent's RemoteEngine (one connection,
+with failover) carrying the rank's own token and idempotency key: the service checks the
+rank's role and scope as if the rank had connected, and a retry through a restarted agent
+is applied once. The answer comes back as a concurrent Future, awaited on the trio loop by
+a done-callback: no thread waits for the service.
+
+`LocalUpstream` calls an embedded engine (a volume directory's SQLite) in worker threads,
+bounded by a limiter. Whoever can open the volume directory is its administrator, so
+there is no credential to check.
+
+Both answer `commit_ranks(job, step, ranks)` (a host's commits as one request, each rank's
+outcome on its own); the remote one says ENOSYS when the service predates it, and the
+batcher falls back to one commit_rank per rank.
+"""
+
+from __future__ import annotations
+
+import errno
+from concurrent.futures import Future
+from functools import partial
+from typing import Any
+
+import trio
+
+from metadata.engine import MetaEngine, MetaError
+from metadata.wire.protocol import REMOTE_METHODS
+
+THREADS = 8  # engine calls of an embedded volume at once
+
+
+async def wait_future(fut: Future) -> Any:
+    """A concurrent Future's result, awaited without a thread."""
+    if not fut.done():
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+
+        def wake(_f: Future) -> None:
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass
+
+        fut.add_done_callback(wake)
+        await done.wait()
+    return fut.result()
+
+
+class RemoteUpstream:
+    """A `ckptfs://` volume: the agent's RemoteEngine, each request on a rank's behalf."""
+
+    remote = True
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def call(
+        self, token: str, method: str, args: list, kwargs: dict, key: bytes | None = None
+    ) -> Any:
+        enc = self.engine.encode_many([(method, tuple(args), kwargs)], token=token, keys=[key])
+        (fut,) = self.engine.submit_encoded(enc)
+        return await wait_future(fut)
+
+    def connections(self) -> int:
+        """Connections this agent opened to the service (the first, then each reconnect)."""
+        return 1 + int(getattr(self.engine, "reconnects", 0))
+
+
+class LocalUpstream:
+    """An embedded engine, called in threads (no credential: module docstring)."""
+
+    remote = False
+
+    def __init__(self, engine: MetaEngine, config: dict) -> None:
+        self.engine = engine
+        self.config = config
+        self.limiter = trio.CapacityLimiter(THREADS)
+
+    async def call(
+        self, token: str, method: str, args: list, kwargs: dict, key: bytes | None = None
+    ) -> Any:
+        if method not in REMOTE_METHODS:  # (commit_ranks, before the engine had it)
+            raise MetaError(errno.ENOSYS, f"unknown method {method!r}")
+        if method == "get_config":
+            return self.config
+        return await self._run(getattr(self.engine, method), *args, **kwargs)
+
+    async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        return await trio.to_thread.run_sync(partial(fn, *args, **kw), limiter=self.limiter)
+
+    def connections(self) -> int:
+        return 0

@@ -1,0 +1,91 @@
+"""`ckptfs agent VOLUME`: this host's one client of a volume, shared by its ranks
+(fusefs/agent). Runs in the foreground until SIGTERM or SIGINT, then stops accepting,
+lets the requests in flight finish and exits 0; staged chunks stay journaled for the
+next agent (nothing is flushed by force)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from fusefs.cli.units import parse_size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    import trio
+
+    from fusefs.agent.paths import socket_path
+    from fusefs.agent.server import Agent, AgentError
+    from fusefs.agent.upstream import LocalUpstream, RemoteUpstream
+    from fusefs.cli.main import UserError
+    from fusefs.client.volume import Volume
+    from metadata.server.service import absolute_config
+
+    remote = args.volume.startswith("ckptfs://")
+    spec = args.volume if remote else os.path.abspath(args.volume)
+    path = socket_path(spec, args.socket)
+    vol = Volume.open(spec)  # its own client, never through an agent (it is the agent)
+    try:
+        staging = None
+        if not args.no_tier:
+            tier = vol.attach_tier(args.staging, args.staging_size, args.durability)
+            staging = tier.root
+        if remote:
+            config, upstream = vol.config, RemoteUpstream(vol.meta)
+        else:
+            config = absolute_config(vol.config, vol.base_dir)
+            upstream = LocalUpstream(vol.meta, config)
+        agent = Agent(
+            vol, upstream, path, config=config, staging_dir=staging, durability=args.durability
+        )
+        try:
+            trio.run(_run, agent, spec)
+        except AgentError as e:
+            raise UserError(str(e)) from None
+    finally:
+        vol.close()
+    return 0
+
+
+async def _run(agent, spec: str) -> None:
+    import trio
+
+    async with trio.open_nursery() as nursery:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            path = await nursery.start(agent.serve)
+            print(f"ckptfs agent: serving {spec} on {path} (pid {os.getpid()})", flush=True)
+            async for _sig in signals:
+                print("ckptfs agent: stopping", file=sys.stderr, flush=True)
+                await agent.shutdown()
+                break
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser(
+        "agent",
+        help="serve this host's ranks of a volume: one service connection, tier and cache",
+        description="One client per host and volume: ranks on this host find it on its "
+        "Unix socket and use its service connection, write-behind tier and read cache.",
+    )
+    g.add_argument("volume", help="volume directory or ckptfs://HOST:PORT service URL")
+    g.add_argument(
+        "--socket",
+        help="Unix socket to listen on (default: CKPTFS_AGENT_SOCKET, else "
+        "$XDG_RUNTIME_DIR/ckptfs/agent-KEY.sock, else /tmp/ckptfs-UID/agent-KEY.sock)",
+    )
+    g.add_argument("--staging", help="staging directory of the write-behind tier")
+    g.add_argument("--staging-size", type=_size, help="staging budget (default: 10%% free)")
+    g.add_argument("--durability", choices=("local", "remote"), default="local")
+    g.add_argument(
+        "--no-tier", action="store_true", help="no write-behind tier: ranks write to the nodes"
+    )
+    g.set_defaults(func=cmd_agent)
