@@ -142,7 +142,9 @@ def test_long_waits_do_not_lock_newcomers_out_of_the_connection_cap(vol):
         ]
         for t in threads:
             t.start()
-        raw = [_authed(port, token) for _ in range(10)]
+        # another credential's: a token's waits hold at most half of the connection cap
+        other = svc.engine.create_token("raw", "reader", ["cap"])  # type: ignore[attr-defined]
+        raw = [_authed(port, other) for _ in range(10)]
         for i, s in enumerate(raw):
             s.sendall(encode_frame([i + 1, "wait_published", ["cap", 1], {"timeout": 3600}, None]))
         time.sleep(3.0)  # the waits are old enough to make room for a newcomer
@@ -249,3 +251,51 @@ def test_waits_are_bounded_per_connection_and_in_all_and_go_with_their_connectio
             time.sleep(0.05)
         sizes = svc.sizes()  # type: ignore[attr-defined]
         assert sizes["waits"] == 0 and sizes["watched"] == 0 and sizes["wait_conns"] == 0
+
+
+def test_waits_are_bounded_per_credential_in_number_and_in_connections(vol, monkeypatch):
+    """A token's waits are capped (WAITS_PER_CREDENTIAL) and so are the connections its
+    waits hold (half of --max-connections): one credential's idle waits can neither
+    take every wait nor fill the connection cap; another credential still waits."""
+    from metadata.server import waiters
+
+    monkeypatch.setattr(waiters, "WAITS_PER_CREDENTIAL", 6)
+    with _in_process(vol, max_connections=5) as (svc, port, token):
+        engine = svc.engine  # type: ignore[attr-defined]
+        engine.begin("j", 1, 2)
+        mine = engine.create_token("leaky", "writer", ["j"])
+        other = engine.create_token("other", "writer", ["j"])
+        wait = ["wait_published", ["j", 1], {"timeout": 60}, None]
+        socks = [_authed(port, mine) for _ in range(3)]
+        waits = svc.sizes  # type: ignore[attr-defined]
+        socks[0].sendall(b"".join(encode_frame([i, *wait]) for i in range(1, 5)))
+        _until(lambda: waits()["waits"] == 4)
+        socks[1].sendall(encode_frame([1, *wait]))  # its fifth, on a second connection
+        _until(lambda: waits()["waits"] == 5)
+        socks[2].sendall(encode_frame([1, *wait]))  # a third connection: past 5 // 2 = 2
+        got = _frames(socks[2], 1)
+        assert got[0][:2] == [1, errno.EAGAIN] and "connections" in got[0][2], got
+        socks[1].sendall(encode_frame([2, *wait]))  # its sixth
+        _until(lambda: waits()["waits"] == 6)
+        socks[1].sendall(encode_frame([3, *wait]))  # the token's seventh: refused
+        got = _frames(socks[1], 1)
+        assert got[0][:2] == [3, errno.EAGAIN] and "token leaky" in got[0][2], got
+        theirs = _authed(port, other)  # another token is not held back by the first
+        theirs.sendall(encode_frame([1, *wait]))
+        _until(lambda: waits()["wait_tokens"] == 2)
+        c = connect(f"ckptfs://127.0.0.1:{port}", token=token)
+        for r in range(2):
+            c.commit_rank("j", 1, r, _files(r, 1), host="h")
+        assert _frames(theirs, 1)[0][1] == 0  # its wait answered at the publish
+        assert sorted(f[0] for f in _frames(socks[0], 4)) == [1, 2, 3, 4]
+        assert sorted(f[0] for f in _frames(socks[1], 2)) == [1, 2]
+        c.close()
+        for s in [*socks, theirs]:
+            s.close()
+
+
+def _until(cond, within: float = 10.0) -> None:
+    end = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < end, "not in time"
+        time.sleep(0.02)

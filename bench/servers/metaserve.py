@@ -30,7 +30,7 @@ class MetaServer:
 
     `db`: a postgresql:// URL (default: the volume's own engine); `tls`: (certificate, key)
     to serve TLS with, which clients then trust; `log_path`: where its stderr goes (default:
-    a temporary file, removed by stop())."""
+    a temporary file, removed by stop()); `args`: more options of `meta serve`."""
 
     def __init__(
         self,
@@ -43,6 +43,7 @@ class MetaServer:
         prefix: Sequence[str] = (),
         log_path: str | None = None,
         start: bool = True,
+        args: Sequence[str] = (),
     ) -> None:
         self.volume = str(volume)
         self.db = db
@@ -50,6 +51,7 @@ class MetaServer:
         self.port = port
         self.tls = tls
         self.prefix = list(prefix)
+        self.args = list(args)  # more `meta serve` options
         self.token_file = os.path.join(self.volume, "meta.token")
         self._own_log = log_path is None
         if log_path is None:
@@ -79,6 +81,7 @@ class MetaServer:
             cmd += ["--db", self.db, "--db-wait", f"{DB_WAIT:g}"]
         if self.tls:
             cmd += ["--tls-cert", self.tls[0], "--tls-key", self.tls[1]]
+        cmd += self.args
         with self._lock, open(self.log_path, "ab") as log:
             if self.closed:
                 raise ServerError("meta serve: closed (the run is being torn down)")

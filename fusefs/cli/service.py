@@ -16,7 +16,7 @@ from fusefs.cli.units import format_size, parse_listen
 from fusefs.client.volume import VOLUME_FILE, VolumeError
 from metadata.engine import MetaEngine, MetaError
 from metadata.engines import DB_WAIT_S, open_engine
-from metadata.wire.protocol import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_FRAME
+from metadata.wire.protocol import IDLE_TIMEOUT, MAX_CONNECTIONS, MAX_FRAME, MEMORY_BUDGET
 from metadata.wire.url import read_token_file
 
 TOKEN_FILE = "meta.token"
@@ -95,6 +95,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _budget_arg(text: str) -> int:
+    """argparse type of --memory-budget: a size of at least 1 MiB."""
+    from fusefs.cli.main import size_arg
+
+    v = size_arg(text)
+    if v < 1 << 20:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 1MiB, got {text!r}")
+    return v
+
+
 def _raise_fd_limit() -> None:
     """Every client holds a descriptor: take the hard limit, not the soft one (often 1024),
     so thousands of ranks, and idle connections waiting to be dropped, fit."""
@@ -138,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         threads=args.threads,
         idle_timeout=args.idle_timeout,
         max_connections=args.max_connections,
+        memory_budget=args.memory_budget,
     )
     logging.getLogger("ckptfs.meta").setLevel(logging.INFO if not args.verbose else logging.DEBUG)
     metrics = None
@@ -312,6 +323,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help=f"authenticated connections at most (default {MAX_CONNECTIONS}); past it the "
         "least recently active idle one is closed, or with none idle the new one refused",
+    )
+    s.add_argument(
+        "--memory-budget",
+        type=_budget_arg,
+        default=MEMORY_BUDGET,
+        metavar="SIZE",
+        help=f"bytes of answers queued and frames half received, all connections together "
+        f"(default {MEMORY_BUDGET >> 20}MiB, at least 1MiB); past it the connections "
+        "stalled longest are dropped",
     )
     s.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS: certificate chain")
     s.add_argument("--tls-key", default=None, metavar="PEM", help="its key (default: in the cert)")

@@ -28,6 +28,7 @@ from typing import Any
 import trio
 
 from metadata.engine import MetaError, internal_error
+from metadata.server.budget import Budget
 from metadata.server.stats import ServiceStats
 from metadata.wire.protocol import HEADER, encode, encode_answer
 
@@ -37,6 +38,7 @@ MAX_INFLIGHT_PER_CONN = 4096  # requests read and not yet answered
 OUT_MAX = 32 << 20  # answer bytes queued for a connection before its requests wait
 YIELD_EVERY = 16  # receives that found bytes waiting, between two checkpoints,
 YIELD_BYTES = 256 << 10  # or this many bytes of them
+WRITE_CHUNK = 1 << 20  # queued answers joined per write: a queue is never copied whole
 
 
 class SocketLink:
@@ -139,13 +141,22 @@ class Conn:
     grew the service past a gigabyte, since a queued answer freed its request's slot, and
     held everyone else's requests behind its answers.) A slot is freed when its answer is
     queued, not written: a client that resends many requests before it reads again (after
-    a reconnect) must not wait for the service while the service waits for it."""
+    a reconnect) must not wait for the service while the service waits for it.
 
-    def __init__(self, link: Link, counters: ServiceStats | None = None) -> None:
+    What it queues, and the frame it is receiving, are charged to the service's one memory
+    budget (budget.py), which may pause its reading or drop it."""
+
+    def __init__(
+        self, link: Link, counters: ServiceStats | None = None, budget: Budget | None = None
+    ) -> None:
         self.link = link
         self.counters = counters
+        self.budget = budget if budget is not None else Budget()
         self.out: list[bytes] = []
         self.out_bytes = 0
+        self.out_since = 0.0  # when the queue last moved (began, or a write went out)
+        self.partial_bytes = 0  # of a frame being received
+        self.in_since = 0.0  # when that frame last got a byte
         self.inflight = 0
         self.drained = trio.Event()
         self.closed = False
@@ -157,7 +168,13 @@ class Conn:
 
     @property
     def full(self) -> bool:
-        return self.inflight >= MAX_INFLIGHT_PER_CONN or self.out_bytes > OUT_MAX
+        """Read no more requests (until `drained`): too many in flight, too much queued,
+        or some queued while the service's memory budget is tight."""
+        return (
+            self.inflight >= MAX_INFLIGHT_PER_CONN
+            or self.out_bytes > OUT_MAX
+            or (self.out_bytes > 0 and self.budget.tight)
+        )
 
     @property
     def idle(self) -> bool:
@@ -175,8 +192,37 @@ class Conn:
             if n:  # the rest waits for the writer, as one piece
                 parts = [b"".join(parts)[n:]]
         self.out += parts
-        self.out_bytes += sum(len(p) for p in parts)
+        n = sum(len(p) for p in parts)
+        if not self.out_bytes:
+            self.out_since = time.monotonic()
+        self.out_bytes += n
+        self.budget.charge(self, n)  # may drop this very connection
         self._start_writer()
+
+    def received(self, pending: int) -> None:
+        """The session's decoder holds `pending` bytes of an unfinished frame."""
+        n = pending - self.partial_bytes
+        if n:
+            self.partial_bytes = pending
+            self.in_since = time.monotonic()
+            self.budget.charge(self, n)
+
+    def drop(self, why: str) -> None:
+        """Close the connection now, for the memory budget: what it held is released."""
+        if self.closed:
+            return
+        log.warning("dropping a connection: %s", why)
+        self.close()
+        self.scope.cancel()
+
+    def close(self) -> None:
+        """No more answers: the queue and the partial frame leave the budget."""
+        self.closed = True
+        held = self.out_bytes + self.partial_bytes
+        self.out.clear()  # in place: the writer's reference to it frees nothing later
+        self.out_bytes = self.partial_bytes = 0
+        if held:
+            self.budget.charge(self, -held)
 
     def _start_writer(self) -> None:
         """(An answer may come from outside the session, a group commit's or a batched
@@ -185,16 +231,29 @@ class Conn:
             try:
                 self.nursery.start_soon(self._writer)
             except RuntimeError:  # the session's nursery closed under a late answer
-                self.closed = True
+                self.close()
                 return
             self._writing = True
 
     async def _writer(self) -> None:
+        """Send the queue in writes of about WRITE_CHUNK (joining all of a long queue at
+        once held it twice), releasing each from the budget once written."""
         try:
             while self.out:
-                data, self.out = b"".join(self.out), []
+                out = self.out
+                k = n = 0
+                while k < len(out) and n < WRITE_CHUNK:
+                    n += len(out[k])
+                    k += 1
+                data = out[0] if k == 1 else b"".join(out[:k])
+                del out[:k]
                 await self.link.send_all(data)
-                self.out_bytes -= len(data)
+                del data
+                if self.closed:  # dropped or ended meanwhile: close() released it all
+                    return
+                self.out_bytes -= n
+                self.out_since = time.monotonic()
+                self.budget.charge(self, -n)
                 if not self.full:
                     self.drained.set()
         finally:

@@ -69,7 +69,7 @@ from metadata.server.access import (
     with_domain,
 )
 from metadata.server.commitranks import submit_ranks
-from metadata.server.conn import Conn, Link, SocketLink, StreamLink
+from metadata.server.conn import Budget, Conn, Link, SocketLink, StreamLink
 from metadata.server.groupcommit import GroupCommit
 from metadata.server.manifests import encode_manifest, manifest_answer
 from metadata.server.readbatch import ReadBatcher
@@ -177,6 +177,7 @@ class MetaService:
         threads: int = 8,
         idle_timeout: float = IDLE_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
+        memory_budget: int | None = None,  # bytes (server/budget.py MEMORY_BUDGET)
     ) -> None:
         if not idle_timeout > 0:
             raise ValueError(f"idle timeout must be > 0 seconds, got {idle_timeout}")
@@ -189,6 +190,7 @@ class MetaService:
         self.base_dir = base_dir
         self.max_frame = max_frame
         self.limiter = trio.CapacityLimiter(threads)
+        self.budget = Budget() if memory_budget is None else Budget(memory_budget)
         self._building = 0  # manifests being built: the fan-out comes next, don't apply
         self._group = GroupCommit(engine, self._acknowledge, busy=lambda: self._building > 0)
         self._reads = ReadBatcher(engine)
@@ -197,7 +199,7 @@ class MetaService:
         # (job, step) -> {rank: files} of the commits this process wrote: at publish the
         # manifest is encoded from these, without reading the step back (see _prebuild)
         self._step_files: dict[tuple[str, int], dict[int, list]] = {}
-        self._waits = Waiters(self._run, engine)  # wait_published, and finished steps' states
+        self._waits = Waiters(self._run, engine, max_connections)  # and finished steps' states
         self._nursery: trio.Nursery | None = None
         self._tls: ssl.SSLContext | None = None  # set by serve()
         self.connections = 0
@@ -246,6 +248,7 @@ class MetaService:
             nursery.start_soon(self._group.run)
             nursery.start_soon(self._reads.run)
             nursery.start_soon(self._waits.run)
+            nursery.start_soon(self.budget.run)  # frames that stop arriving (budget.py)
             # the periodic loops: a step that raises is logged, counted and retried
             periodic = partial(run_periodic, log=log)
             nursery.start_soon(periodic, "expire", self._expire, EXPIRE_EVERY)
@@ -441,7 +444,7 @@ class MetaService:
                 encode_frame({"ok": False, "errno": errno.EACCES, "error": "wrong token"})
             )
             return
-        conn = Conn(link, self.counters)
+        conn = Conn(link, self.counters, self.budget)
         conn.principal = principal
         if not self._admit(conn):
             self.stats["refused_full"] += 1
@@ -468,7 +471,7 @@ class MetaService:
                     if nursery.child_tasks:  # (a cancel costs, even with nothing to stop)
                         nursery.cancel_scope.cancel()
         finally:
-            conn.closed = True
+            conn.close()  # what it held leaves the memory budget
             self._authed.pop(conn, None)
             self._waits.drop_conn(conn)  # its waits go with it
         if conn.idle_closed:
@@ -500,6 +503,8 @@ class MetaService:
             if not data or conn.scope.cancel_called:
                 return
             frames = dec.feed(data)
+            if dec.pending or conn.partial_bytes:  # a frame half received: charged (budget.py)
+                conn.received(dec.pending)
 
     def _admit(self, conn: Conn) -> bool:
         """Count an authenticated connection in, under max_connections.
@@ -635,7 +640,7 @@ class MetaService:
                 submit_ranks(self._group, self.counters, args, kwargs, slot)
                 return
             if method == "wait_published":
-                self._waits.add(conn, slot, *args, **kwargs)
+                self._waits.add(conn, slot, p.name, *args, **kwargs)
                 return
             if method == "manifest":
                 job, step, only = _manifest_args(*args, **kwargs)

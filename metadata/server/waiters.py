@@ -18,9 +18,13 @@ and no CPU while it waits:
 - timeouts are one heap and one timer task, not a cancel scope per waiter.
 
 Bounds (past them a wait is refused at once with EAGAIN and a message naming the bound,
-and the client may retry): waiters per connection, waiters in all, and steps watched at
-once (each one costs a query per POLL_S). A connection's waiters are dropped when it
-closes. The service's `_admit` may close a connection whose only requests in flight are
+and the client may retry): waiters per connection, per credential (the token's name) and
+in all, connections holding waits per credential (half of the service's connection
+cap: one credential's idle waits cannot fill it), and steps watched at once (each one
+costs a query per POLL_S). A real job waits once per step, from its coordinator; a token
+that waits thousands of times is a leak or an attack, and with these bounds it cannot
+take the waits, or the connections, others need. A connection's waiters are dropped
+when it closes. The service's `_admit` may close a connection whose only requests in flight are
 waits to make room under its connection cap (the client reconnects and sends its waits
 again): see `evictable`.
 """
@@ -46,6 +50,8 @@ WAITS_MAX = 32_768
 # Half of what one connection may have in flight (conn.MAX_INFLIGHT_PER_CONN = 4096): a
 # connection of waits is refused before it stalls its own other requests.
 WAITS_PER_CONN = 2_048
+# A quarter of WAITS_MAX per credential: at least four tokens to fill the service's waits.
+WAITS_PER_CREDENTIAL = 8_192
 # Steps watched at once: each costs one step_state query per POLL_S (~1k queries a second
 # at most, in one worker-thread call per poll); a job waits on one or two steps at a time.
 WATCHED_MAX = 512
@@ -71,14 +77,15 @@ def wait_args(job: str, step: int, timeout: float = 60.0) -> tuple[str, int, flo
 
 
 class _Wait:
-    __slots__ = ("key", "slot", "conn", "deadline", "asked", "seq", "live")
+    __slots__ = ("key", "slot", "conn", "who", "deadline", "asked", "seq", "live")
 
     def __init__(
-        self, key: tuple, slot: Any, conn: Any, deadline: float, asked: float, seq: int
+        self, key: tuple, slot: Any, conn: Any, who: str, deadline: float, asked: float, seq: int
     ) -> None:
         self.key = key
         self.slot = slot  # answered with slot.set(result, error)
         self.conn = conn
+        self.who = who  # the credential's name
         self.deadline = deadline
         self.asked = asked
         self.seq = seq
@@ -88,9 +95,14 @@ class _Wait:
 class Waiters:
     """`run` in the service's nursery; everything else is called on the loop."""
 
-    def __init__(self, run: Callable[..., Awaitable[Any]], engine: Any) -> None:
+    def __init__(
+        self, run: Callable[..., Awaitable[Any]], engine: Any, max_connections: int = 1 << 16
+    ) -> None:
         self._run = run  # a worker-thread call under the service's limiter
         self.engine = engine
+        self.conns_per_credential = max(1, max_connections // 2)
+        self._by_who: dict[str, dict[Any, int]] = {}  # credential -> {conn: its waits}
+        self._who_waits: dict[str, int] = {}  # credential -> its waits
         self.terminal: OrderedDict[tuple[str, int], dict] = OrderedDict()
         self._terminal_jobs: dict[str, set[int]] = {}  # job -> steps in `terminal`
         self.watched: dict[tuple[str, int], set[_Wait]] = {}
@@ -106,9 +118,9 @@ class Waiters:
         self._evicts: list[float] = []  # when wait-only connections were closed (last second)
 
     # -- waits ---------------------------------------------------------------------
-    def add(self, conn: Any, slot: Any, *args: Any, **kwargs: Any) -> None:
-        """A wait_published request: answered now, or when its step settles or its
-        timeout passes. Raises (EINVAL, EAGAIN) to refuse it."""
+    def add(self, conn: Any, slot: Any, who: str, *args: Any, **kwargs: Any) -> None:
+        """A wait_published request of credential `who`: answered now, or when its step
+        settles or its timeout passes. Raises (EINVAL, EAGAIN) to refuse it."""
         job, step, timeout = wait_args(*args, **kwargs)
         key = (job, step)
         info = self.terminal.get(key)
@@ -122,6 +134,19 @@ class Waiters:
                 errno.EAGAIN, f"wait_published: this connection already waits {len(mine)} "
                 f"times (at most {WAITS_PER_CONN} per connection); retry later",
             )  # fmt: skip
+        theirs = self._by_who.get(who)
+        if theirs is not None:
+            if self._who_waits[who] >= WAITS_PER_CREDENTIAL:
+                raise MetaError(
+                    errno.EAGAIN, f"wait_published: token {who} already waits "
+                    f"{WAITS_PER_CREDENTIAL} times (at most that per token); retry later",
+                )  # fmt: skip
+            if conn not in theirs and len(theirs) >= self.conns_per_credential:
+                raise MetaError(
+                    errno.EAGAIN, f"wait_published: token {who} already waits on "
+                    f"{len(theirs)} connections (at most half of the service's "
+                    "connection cap per token); retry later",
+                )  # fmt: skip
         if self.count >= WAITS_MAX:
             raise MetaError(
                 errno.EAGAIN, f"wait_published: the service holds its maximum of {WAITS_MAX} "
@@ -139,11 +164,15 @@ class Waiters:
             self._kick.set()
         self._seq += 1
         now = trio.current_time()
-        w = _Wait(key, slot, conn, now + min(timeout, MAX_WAIT_S), timeout, self._seq)
+        w = _Wait(key, slot, conn, who, now + min(timeout, MAX_WAIT_S), timeout, self._seq)
         watch.add(w)
         if mine is None:
             mine = self._by_conn[conn] = set()
         mine.add(w)
+        if theirs is None:
+            theirs = self._by_who[who] = {}
+        theirs[conn] = theirs.get(conn, 0) + 1
+        self._who_waits[who] = self._who_waits.get(who, 0) + 1
         self.count += 1
         if not self._heap or w.deadline < self._heap[0][0]:
             self._timer_kick.set()
@@ -155,6 +184,7 @@ class Waiters:
     def _finish(self, w: _Wait, result: Any = None, error: BaseException | None = None) -> None:
         w.live = False
         self.count -= 1
+        self._uncount(w)
         mine = self._by_conn.get(w.conn)
         if mine is not None:
             mine.discard(w)
@@ -183,7 +213,21 @@ class Waiters:
             if w.live:
                 w.live = False
                 self.count -= 1
+                self._uncount(w)
                 self._unwatch(w)
+
+    def _uncount(self, w: _Wait) -> None:
+        """A wait left its credential's count."""
+        theirs = self._by_who.get(w.who)
+        if theirs is not None:
+            self._who_waits[w.who] -= 1
+            n = theirs.get(w.conn, 0) - 1
+            if n > 0:
+                theirs[w.conn] = n
+            else:
+                theirs.pop(w.conn, None)
+                if not theirs:
+                    del self._by_who[w.who], self._who_waits[w.who]
 
     def waits_of(self, conn: Any) -> int:
         mine = self._by_conn.get(conn)
@@ -297,6 +341,7 @@ class Waiters:
             "watched": len(self.watched),
             "waits": self.count,
             "wait_conns": len(self._by_conn),
+            "wait_tokens": len(self._by_who),
             "wait_heap": len(self._heap),
         }
 
