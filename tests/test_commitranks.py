@@ -13,7 +13,14 @@ import pytest
 from fusefs.client.volume import Volume
 from metadata.ckptformat import pack_ranks
 from metadata.client import connect
-from metadata.engine import COMMIT_RANKS_MAX, Extent, MetaEngine, MetaError, NewChunk
+from metadata.engine import (
+    COMMIT_RANKS_MAX,
+    DURABLE,
+    Extent,
+    MetaEngine,
+    MetaError,
+    NewChunk,
+)
 from metadata.engines.sqlite import SqliteEngine
 from metadata.wire.protocol import PROTO_VERSION, FrameDecoder, decode, encode_frame
 from tests.fixtures.service import in_process_service
@@ -204,3 +211,25 @@ def test_embedded_engines_answer_as_the_service(tmp_path):
         assert e.value.errno == errno.EINVAL
     finally:
         eng.close()
+
+
+def test_a_scoped_writers_claims_count_for_its_scope_only(served):
+    """The service sets each rank's trust domain as for commit_rank (server/access.py
+    with_domain): chunk ids job A's writer commits without storing them are not held
+    for job B's writer, while the same claim by the trusted admin is."""
+    _, admin, clients = served
+    a, b = clients["a"], clients["b"]
+    durable = [
+        [{"path": "x", "size": 10, "extents": [Extent(0, 10, cid)],
+          "new_chunks": [NewChunk(cid, 10, 10, DURABLE)]}]
+        for cid in (os.urandom(16), os.urandom(16))
+    ]  # fmt: skip
+    claimed, trusted = (f[0]["new_chunks"][0].chunk_id for f in durable)
+    a.begin("job-a", 5, 1)
+    assert "ok" in a.commit_ranks("job-a", 5, [[0, durable[0], "h"]])[0]
+    admin.begin("job-t", 1, 1)
+    assert "ok" in admin.commit_ranks("job-t", 1, [[0, durable[1], "h"]])[0]
+    while admin.apply_pending(1000):  # the journal's references, applied
+        pass
+    assert b.missing_chunks([claimed, trusted]) == {claimed}
+    assert a.missing_chunks([claimed]) == set()  # its own scope's claim
