@@ -143,3 +143,34 @@ def test_same_scope_dedup_and_the_verifier(served, tmp_path):
         assert gc(vol, grace=3600).chunks_unproven == 2
     finally:
         vol.close()
+
+
+def test_an_older_volume_gets_the_domain_columns_at_open(tmp_path):
+    """A volume made before trust domains: opening it adds chunks.domain (its rows trusted,
+    NULL), ref_journal.domain and the index of unverified rows; scoped claims then work."""
+    import sqlite3
+
+    from metadata.engines.sqlite import SqliteEngine
+
+    v = Volume.create(str(tmp_path / "vol"), nodes=2)
+    seed = v.seed
+    old, new = os.urandom(300_000), os.urandom(1000)  # old: a chunk on the nodes
+    v.write_file("/old", old)
+    path = v.meta.path
+    v.close()
+    db = sqlite3.connect(path)
+    for ddl in ("DROP INDEX chunks_unverified", "ALTER TABLE chunks DROP COLUMN domain",
+                "ALTER TABLE ref_journal DROP COLUMN domain"):  # fmt: skip
+        db.execute(ddl)
+    db.commit()
+    db.close()
+    m = SqliteEngine(path)
+    try:
+        assert m.missing_chunks([chunk_id(old, seed)], domain=5) == set()  # trusted
+        f = m.create(ROOT_INO, b"new", stat.S_IFREG | 0o644, 0, 0).ino
+        cid = chunk_id(new, seed)
+        m.commit_file(f, [Extent(0, 1000, cid)], 1000, [NewChunk(cid, 1000, 1000)], domain=5)
+        assert m.missing_chunks([cid], domain=6) == {cid}
+        assert m.unverified_chunks() == [cid]
+    finally:
+        m.close()
