@@ -63,6 +63,7 @@ AGENT_METHODS = frozenset(
     {"agent_info", "agent_adopt", "agent_fetch", "agent_flush", "agent_stats"}
 )  # fmt: skip
 PEERCRED = struct.Struct("3i")  # pid, uid, gid
+ACCEPT_PAUSE = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 
 class AgentError(Exception):
@@ -191,7 +192,14 @@ class Agent:
         lst = trio.socket.from_stdlib_socket(listener)
         with self._accepting:
             while True:
-                sock, _ = await lst.accept()
+                try:
+                    sock, _ = await lst.accept()
+                except OSError as e:  # out of descriptors or memory: pause, not die
+                    if e.errno not in ACCEPT_PAUSE:
+                        raise
+                    log.error("accepting a rank: %s; pausing", e)
+                    await trio.sleep(0.1)
+                    continue
                 nursery.start_soon(self._connection, sock)
 
     # -- a connection -----------------------------------------------------------------------
@@ -206,21 +214,27 @@ class Agent:
                 log.warning("refused a connection from pid %d: uid %d is not the agent's", pid, uid)
                 await _refuse(stream, errno.EACCES, f"uid {uid} may not use this agent")
                 return
-            token = await self._hello(stream, pid)
-            if token is None:
+            dec = FrameDecoder(MAX_FRAME)
+            hello = await self._hello(stream, pid, dec)
+            if hello is None:
                 return
+            token, early = hello
             self.stats["ranks_served"] += 1
-            await self._session(stream, token)
+            await self._session(stream, token, dec, early)
         except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             pass
         except ProtocolError as e:
             log.info("dropping a rank connection: %s", e)
+        except Exception:  # a bug in one connection must not take the host's agent down
+            log.exception("a rank connection failed")
         finally:
             self.stats["connections"] -= 1
             await trio.aclose_forcefully(stream)
 
-    async def _hello(self, stream: trio.SocketStream, pid: int) -> str | None:
-        dec = FrameDecoder(64 * 1024)
+    async def _hello(
+        self, stream: trio.SocketStream, pid: int, dec: FrameDecoder
+    ) -> tuple[str, list] | None:
+        """(the rank's token, requests sent right after the hello), or None: refused."""
         frames: list = []
         with trio.move_on_after(HELLO_TIMEOUT):
             while not frames:
@@ -230,8 +244,8 @@ class Agent:
                 frames = dec.feed(data)
         if not frames:
             raise ProtocolError("no hello in time")
-        if len(frames) > 1:
-            raise ProtocolError("requests before the hello's answer")
+        if len(frames[0]) > 64 * 1024:
+            raise ProtocolError("a hello over 64 KiB")
         hello = decode(frames[0])  # a hello without a token is refused below, in words
         if not isinstance(hello, dict):
             raise ProtocolError("the first message must be a hello")
@@ -248,7 +262,7 @@ class Agent:
                 await _refuse(stream, errno.EACCES, err)
                 return None
         await stream.send_all(encode_frame({"ok": True, "proto": PROTO_VERSION}))
-        return token or ""
+        return token or "", [bytes(f) for f in frames[1:]]
 
     async def _verify(self, token: Any) -> str | None:
         """Why this token may not use a service volume through the agent, or None."""
@@ -266,20 +280,31 @@ class Agent:
             self._tokens = {t: u for t, u in self._tokens.items() if u > now}
         return None
 
-    async def _session(self, stream: trio.SocketStream, token: str) -> None:
-        dec = FrameDecoder(MAX_FRAME)
+    async def _session(
+        self, stream: trio.SocketStream, token: str, dec: FrameDecoder, early: list
+    ) -> None:
         send_lock = trio.Lock()
         slots = trio.Semaphore(INFLIGHT)
         async with trio.open_nursery() as nursery:
-            while True:
-                data = await stream.receive_some(1 << 20)
-                if not data:
-                    break
-                for body in dec.feed(data):
-                    req = parse_request(body)
-                    await slots.acquire()
-                    self.inflight += 1
-                    nursery.start_soon(self._request, stream, send_lock, slots, token, req)
+            try:  # (inside the nursery: what escapes its body would come out as a group)
+                frames = early
+                while True:
+                    for body in frames:
+                        req = parse_request(body)
+                        await slots.acquire()
+                        self.inflight += 1
+                        nursery.start_soon(self._request, stream, send_lock, slots, token, req)
+                    data = await stream.receive_some(1 << 20)
+                    if not data:
+                        break
+                    frames = dec.feed(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
+                pass  # the rank went away (killed: a reset)
+            except ProtocolError as e:
+                log.info("dropping a rank connection: %s", e)
+                with trio.move_on_after(1.0):
+                    async with send_lock:
+                        await stream.send_all(encode_frame([0, errno.EPROTO, str(e)]))
             nursery.cancel_scope.cancel()  # the rank is gone: nobody reads its answers
 
     async def _request(

@@ -3,8 +3,9 @@
 `RemoteUpstream` sends each rank's request over the agent's RemoteEngine (one connection,
 with failover) carrying the rank's own token and idempotency key: the service checks the
 rank's role and scope as if the rank had connected, and a retry through a restarted agent
-is applied once. The answer comes back as a concurrent Future, awaited on the trio loop by
-a done-callback: no thread waits for the service.
+is applied once. The send runs in a thread (a service that stops reading must not stall
+the loop); the answer comes back as a concurrent Future, awaited on the trio loop by a
+done-callback: no thread waits for the service.
 
 `LocalUpstream` calls an embedded engine (a volume directory's SQLite) in worker threads,
 bounded by a limiter. Whoever can open the volume directory is its administrator, so
@@ -54,12 +55,15 @@ class RemoteUpstream:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        self.senders = trio.CapacityLimiter(2)  # sends in threads: a stalled service blocks
 
     async def call(
         self, token: str, method: str, args: list, kwargs: dict, key: bytes | None = None
     ) -> Any:
         enc = self.engine.encode_many([(method, tuple(args), kwargs)], token=token, keys=[key])
-        (fut,) = self.engine.submit_encoded(enc)
+        (fut,) = await trio.to_thread.run_sync(
+            self.engine.submit_encoded, enc, limiter=self.senders
+        )
         return await wait_future(fut)
 
     def connections(self) -> int:

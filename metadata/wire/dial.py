@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from metadata.client import RemoteEngine
 
 CONNECT_TIMEOUT = 5.0  # seconds to open one connection (TCP and handshake)
+AGENT_UNREACHABLE = "cannot reach the host's ckptfs agent at "  # a Unix socket replica
 KEEPALIVE = (5, 2, 3)  # TCP keepalive idle, interval, probes: a vanished host in ~11 s
 
 
@@ -78,7 +79,8 @@ class Attempt:
 
     def _unreachable(self, e: BaseException) -> None:
         self.close()
-        self.error = MetaError(errno.ECONNREFUSED, f"{UNREACHABLE}{self.where}: {e}")
+        what = AGENT_UNREACHABLE if self.where.startswith("/") else UNREACHABLE
+        self.error = MetaError(errno.ECONNREFUSED, f"{what}{self.where}: {e}")
 
     def _handshake_failed(self, e: BaseException) -> None:
         self.close()
