@@ -68,6 +68,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         workdir=args.workdir,
         resume=args.resume,
+        agent=not args.no_agent,
     )
     rep = run(cfg)
     print(format_table(rep))
@@ -154,6 +155,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--replicas", type=int, default=2)
     b.add_argument(
         "--chunk-size", type=size_arg, default=None, help="default: shard/4 within 64KiB..4MiB"
+    )
+    b.add_argument(
+        "--no-agent",
+        action="store_true",
+        help="no `ckptfs agent` per host: each simulated host is one Volume speaking for its "
+        "ranks (the mode before agents; default: each rank its own client of its host's agent)",
     )
     b.add_argument("--kill-node", action="store_true", help="node n0 dies mid-save")
     b.add_argument("--kill-rank", action="store_true", help="one rank dies mid-save")

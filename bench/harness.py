@@ -225,7 +225,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
     errors: list[str] = []
     t_run = time.time()
     topology: dict = {}
-    flush = final = resume = None
+    flush = final = resume = agents = None
     latest = durable = None
     stats: dict = {}
     counters = {"failovers": 0, "reconnects": 0, "hangs": 0}
@@ -263,11 +263,16 @@ def run(cfg: HarnessConfig, log=None) -> dict:
             "phase_timeout": cfg.phase_timeout,
             "log_dir": env.log_dir,
         }
+        if cfg.uses_agents():
+            wcfg["agent_sockets"] = env.start_agents(len(hosts), wcfg["staging_size"])
+        elif cfg.agent:
+            env.notes.append("no agents on --topology netns: each host is one Volume")
         say(
             f"ckptfs bench: {cfg.ranks} ranks on {len(hosts)} hosts in {len(groups)} processes, "
             f"{cfg.steps} steps of {step_bytes / 2**20:.0f} MiB ({cfg.data}, change rate "
             f"{cfg.change_rate}, chunks {chunk // 1024} KiB, durability {cfg.durability}, "
-            f"topology {cfg.topology})"
+            f"topology {cfg.topology}, "
+            f"{'each rank a client of its host agent' if cfg.uses_agents() else 'no agents'})"
         )
         if faults.plan:
             plan = ", ".join(f"{k} at step {v}" for k, v in faults.plan.items())
@@ -329,6 +334,8 @@ def run(cfg: HarnessConfig, log=None) -> dict:
                 counters[k] += int(part.get(k, 0))
         for k in ("failovers", "hangs"):
             counters[k] += int(getattr(meta, k, 0) or 0)
+        if env.agents:
+            agents = _agents_summary(env)
         latest = _try(errors, "latest", meta.latest, job)
         durable = _try(errors, "latest_durable", meta.latest_durable, job)
         got = _try(errors, "stats", meta.stats)
@@ -377,7 +384,16 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         worker_logs=worker_logs,
         resume=resume,
         process_exits=watch.as_list(),
+        agents=agents,
     )
+
+
+def _agents_summary(env: Env) -> dict:
+    """What the hosts' agents counted since they started (bench.harness_agents.summary)."""
+    from bench.harness_agents import summary
+    from metadata.wire.url import parse_url, resolve_token
+
+    return summary(env.agents, resolve_token(parse_url(env.url)[1]))
 
 
 def _fleet_line(env: Env, workers: Workers) -> str:
@@ -566,6 +582,7 @@ def _save_step(cfg, env, workers, meta, job, step, show, steps, faults) -> StepR
     rec.save = sorted((r for p in parts for r in p["ranks"]), key=lambda r: r["rank"])
     rec.save_hosts = [h for p in parts for h in p["hosts"]]
     rec.cpu["save_client_s"] = sum(p["cpu_s"] for p in parts)
+    rec.cpu["save_agents_s"] = sum(p.get("agent_cpu_s", 0.0) for p in parts)
     rec.uploaded["save"] = sum(p.get("uploaded_bytes", 0) for p in parts)
     wait = deadline + 60
     if any(r.get("error") and not r.get("killed") for r in rec.save):
@@ -592,6 +609,7 @@ def _load_step(cfg, env, workers, rec: StepRecord, show: bool, label: str = "") 
     rec.load = sorted((r for p in parts for r in p["ranks"]), key=lambda r: r["rank"])
     rec.load_hosts = [h for p in parts for h in p["hosts"]]
     rec.cpu["load_client_s"] = sum(p["cpu_s"] for p in parts)
+    rec.cpu["load_agents_s"] = sum(p.get("agent_cpu_s", 0.0) for p in parts)
     rec.uploaded["load"] = sum(p.get("uploaded_bytes", 0) for p in parts)
     rec.cpu["load_service_s"] = env.service_cpu() - svc0
 
@@ -601,8 +619,16 @@ def _resume(cfg: HarnessConfig, env: Env, workers: Workers, show: bool) -> dict:
     opened afresh, every rank on a fresh connection resolving latest_durable, reading its
     shard and verifying it. Timed from the start to the last rank verified."""
     cold = drop_caches()
+    svc_before, restart_s = env.service_cpu(), None
+    before = None
+    if env.agents:  # the host agents restart, their tiers adopting the journals they left
+        before = _agents_summary(env)  # what they did until now: the steps' saves and loads
+        t0 = time.time()
+        env.restart_agents()
+        restart_s = round(time.time() - t0, 3)
     start = time.time() + 0.3
-    parts, svc0 = _phase(cfg, env, workers, ("resume", start), "resume", show)
+    parts, _ = _phase(cfg, env, workers, ("resume", start), "resume", show)
+    svc0 = svc_before  # the agents' reconnects count for the service
     ranks = [r for p in parts for r in p["ranks"]]
     done = [r["done"] for r in ranks if "done" in r]
     secs = max(done) - start if done else None
@@ -617,6 +643,11 @@ def _resume(cfg: HarnessConfig, env: Env, workers: Workers, show: bool) -> dict:
         "verified": len(ok),
         "failures": [f"{r['rank']}: {r['error']}" for r in ranks if not r.get("ok")][:10],
         "cold": cold,
+        "agents_restart_s": restart_s,  # before the clock (bench.harness_agents)
+        "agents_before_restart": before,
+        "cpu_ms_per_rank_agents": round(
+            sum(p.get("agent_cpu_s", 0.0) for p in parts) / max(1, len(ranks)) * 1e3, 3
+        ),  # fmt: skip
         **per_rank_ms(client, service, max(1, len(ranks))),
         "breakdown": breakdown([h for p in parts for h in p["hosts"]], start, secs),
     }
@@ -634,7 +665,7 @@ def _phase(
     """Send one phase to every worker and gather their answers under a progress bar
     (`on_progress(ranks done)` too). Returns the answers and the service's CPU seconds
     at the start, for the caller to take the difference when its phase ends."""
-    svc0 = env.service_cpu()
+    svc0, ag0 = env.service_cpu(), env.agent_cpu()
     workers.send(msg)
     bar = Progress(cfg.ranks, label, enabled=show, unit="ranks")
     seen = [0]
@@ -646,9 +677,13 @@ def _phase(
             on_progress(n)
 
     try:
-        return workers.gather(msg[0], cfg.phase_timeout + 60, progress), svc0
+        parts = workers.gather(msg[0], cfg.phase_timeout + 60, progress)
     finally:
         bar.close()
+    if env.agents:  # the agents are the ranks' side: their CPU is client CPU
+        ag = env.agent_cpu() - ag0
+        parts.append({"ranks": [], "hosts": [], "cpu_s": ag, "agent_cpu_s": ag})
+    return parts, svc0
 
 
 def _save_seconds(rec: StepRecord) -> float | None:

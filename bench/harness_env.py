@@ -81,6 +81,7 @@ class Env:
         self.fabric: netns.Fabric | None = None
         self._ctl_old: int | None = None
         self.host_ns: dict[int, str] = {}  # host index -> its namespace's path (netns)
+        self.agents: list = []  # one `ckptfs agent` per host (bench.harness_agents)
         self.worker_pids: dict[int, int] = {}  # host index -> worker pid (loopback partition)
         self.stopped_pids: set[int] = set()
         self.stopped_meta: set[int] = set()  # replicas --hang-meta has stopped (SIGSTOP)
@@ -262,6 +263,63 @@ class Env:
             mine = addrs[k:] + addrs[:k]  # a host starts at its own replica
             self.host_urls[h] = service_url(mine if self.replica_lists else mine[:1], token)
 
+    # -- the hosts' agents (bench.harness_agents) ----------------------------------------------
+    def start_agents(self, n_hosts: int, staging_size: int) -> dict[int, str]:
+        """One `ckptfs agent` per host, each on a socket of its own; host -> socket."""
+        from bench import harness_agents as ha
+
+        d = os.path.join(self.root, "a")  # short: a Unix socket path has 108 bytes
+        os.makedirs(d, mode=0o700)
+        self.agents = [
+            ha.AgentProc(
+                h,
+                self.host_urls.get(h) or self.url,
+                os.path.join(d, f"h{h:03d}.sock"),
+                os.path.join(self.staging_root, f"host-{h:03d}"),
+                staging_size,
+                self.cfg.durability,
+                os.path.join(self.root, f"agent{h}.log"),
+            )
+            for h in range(n_hosts)
+        ]
+        try:
+            ha.start_all(self.agents, self._token())
+        except ServerError as e:
+            raise HarnessError(str(e)) from None
+        return {a.index: a.socket for a in self.agents}
+
+    def restart_agents(self) -> None:
+        """Every agent stopped (SIGTERM) and started again on its socket and staging."""
+        from bench import harness_agents as ha
+
+        with self._action():
+            for a in self.agents:
+                self._expect_down(a.name)
+            ha.stop_all(self.agents)
+            try:
+                ha.start_all(self.agents, self._token())
+            except ServerError as e:
+                raise HarnessError(str(e)) from None
+            for a in self.agents:
+                self._expect_up(a.name)
+
+    def _token(self) -> str:
+        """The token the hosts' ranks present (their service URL's)."""
+        from metadata.wire.url import parse_url, resolve_token
+
+        return resolve_token(parse_url(self.url)[1])
+
+    def agent_cpu(self) -> float:
+        """CPU seconds used so far by the agent processes now running (client side)."""
+        total = 0.0
+        for a in self.agents:
+            if a.pid is not None and a.exit_status() is None:
+                try:
+                    total += cpu_s(a.pid)
+                except OSError:
+                    continue
+        return total
+
     # -- what the report says about it ------------------------------------------------------
     def topology(self) -> dict:
         c = self.cfg
@@ -334,6 +392,8 @@ class Env:
         for i, w in enumerate(self.weeds):
             out.append((f"n{i}", "S3 node (SeaweedFS weed server)", w.pid, w.exit_status,
                         w.log_path))  # fmt: skip
+        for a in self.agents:
+            out.append((a.name, "host agent (ckptfs agent)", a.pid, a.exit_status, a.log_path))
         pg = self.pg
         if pg is not None:
 
@@ -535,6 +595,10 @@ class Env:
             step("resume a stopped replica", lambda i=i: self.resume_meta(i))
         for pid in list(self.stopped_pids):
             step("resume a stopped worker", lambda pid=pid: _signal_if_alive(pid, signal.SIGCONT))
+        if self.agents:  # before the service they are clients of
+            from bench.harness_agents import stop_all
+
+            step("stop the agents", lambda: stop_all(self.agents, QUICK_GRACE if quick else 10.0))
         for s in self.servers:  # all asked at once, then each waited for
             step("stop a service replica", s.terminate)
         grace = QUICK_GRACE if quick else 10.0

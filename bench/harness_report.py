@@ -136,6 +136,13 @@ def step_summary(rec, cfg) -> dict:
         "load_breakdown": breakdown(rec.load_hosts, rec.load_start, load_s),
         **_per_rank_ms(rec.cpu, "save", len(saved)),
         **_per_rank_ms(rec.cpu, "load", len(loaded)),
+        # of the client's: the hosts' agents (with --no-agent, 0)
+        "cpu_ms_per_rank_save_agents": _r(
+            rec.cpu.get("save_agents_s", 0) / max(1, len(saved)) * 1e3, 3
+        ),
+        "cpu_ms_per_rank_load_agents": _r(
+            rec.cpu.get("load_agents_s", 0) / max(1, len(loaded)) * 1e3, 3
+        ),
         # the tiers' background uploads that ran inside the phase (sharing its CPU and disk)
         "uploaded_mib_during_save": _r(rec.uploaded.get("save", 0) / 2**20, 1),
         "uploaded_mib_during_load": _r(rec.uploaded.get("load", 0) / 2**20, 1),
@@ -353,6 +360,7 @@ def build_report(
     worker_logs: dict | None = None,
     resume: dict | None = None,
     process_exits: list[dict] | None = None,
+    agents: dict | None = None,
 ):
     summaries = [step_summary(r, cfg) for r in steps]
     for f in faults or []:
@@ -371,7 +379,12 @@ def build_report(
     read_gbps = baseline.get("read_gbps")
     cpu = {
         k: _r(_pct([s[k] for s in summaries if s.get(k) is not None], 0.5), 3)
-        for k in ("cpu_ms_per_rank_save", "cpu_ms_per_rank_load")
+        for k in (
+            "cpu_ms_per_rank_save",
+            "cpu_ms_per_rank_load",
+            "cpu_ms_per_rank_save_service",
+            "cpu_ms_per_rank_load_service",
+        )
     }
     return {
         "bench": "harness",
@@ -390,6 +403,7 @@ def build_report(
         else None,
         **cpu,
         "resume": resume,
+        "agents": agents,  # None: --no-agent (or netns); else what the agents counted
         "steps": summaries,
         "flush": flush,
         "latest": latest,

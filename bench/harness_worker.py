@@ -1,6 +1,8 @@
 """One worker process of the load-test harness: a few simulated hosts, their ranks.
 
-Each simulated host is a Volume of its own (its own ckptfs:// connection, chunk store and
+With agents (the default) each rank is a client of its host's `ckptfs agent` of its own:
+bench.harness_ranks. The rest of this docstring is `--no-agent`, the mode before agents:
+each simulated host is a Volume of its own (its own ckptfs:// connection, chunk store and
 write-behind tier in its own staging directory), as it would be on a real machine, and it
 speaks for its ranks as a host agent would: a trio task per host stages its ranks' shards
 in waves through one pass of the chunk sink each (fusefs.client.batch: one hashing task per
@@ -101,11 +103,12 @@ class Host:
     index: int
     name: str
     ranks: list[int]
-    vol: Volume
+    vol: Volume | None  # None with agents: each rank has its own (bench.harness_ranks)
     counted: dict[str, int] = field(
         default_factory=lambda: {"failovers": 0, "reconnects": 0, "hangs": 0}
     )
     uploaded_before: int = 0  # what the tiers this host closed (a resume reopens it) uploaded
+    clients: dict[int, Any] = field(default_factory=dict)  # with agents: rank -> its Rank
 
 
 @dataclass
@@ -118,6 +121,8 @@ class WorkerState:
     # them (before any test-hook corruption): a load compares with these instead of
     # generating every shard a second time
     digests: dict[tuple[int, tuple[int, ...]], bytes] = field(default_factory=dict)
+    limiter: Any = None  # with agents: the ranks' threads at once (set in each phase's run)
+    nodes: Any = None  # with agents: the nodes the ranks share (harness_ranks.NodesOnce)
 
     def expected(self, rank: int, step: int) -> bytes:
         """The digest of what `rank` wrote at `step`, by the seed."""
@@ -129,6 +134,8 @@ class WorkerState:
 def open_host(cfg: dict, index: int, ranks: list[int]) -> Host:
     from metadata.client import connect
 
+    if cfg.get("agent_sockets"):  # its ranks open the volume through its agent (open_ranks)
+        return Host(index, f"host-{index:03d}", ranks, None)
     meta = connect(cfg.get("urls", {}).get(index) or cfg["url"])
     try:
         config = meta.get_config()
@@ -320,7 +327,7 @@ async def save_host(
 
 # -- load ------------------------------------------------------------------------------------
 def read_wave(
-    st: WorkerState, host: Host, step: int, ranks: list[int], mans: list
+    st: WorkerState, vol: Volume, step: int, ranks: list[int], mans: list
 ) -> tuple[list[tuple[bool, str]], Timings]:
     """Read a wave of shards (fusefs.client.batch.read_many: warm ones on this thread, the
     rest on the pool, each read straight into a buffer and verified against the seed's
@@ -359,7 +366,7 @@ def read_wave(
             verify[0] += time.perf_counter() - t
         return ok, msg
 
-    got = read_many(host.vol, files, check)
+    got = read_many(vol, files, check)
     return got, {"read": time.perf_counter() - t0, "verify (thread-s)": verify[0], "_began": t0}
 
 
@@ -408,7 +415,7 @@ async def _read_waves(
             if len(steps) != 1:
                 raise ValueError(f"ranks of one host resolved different steps: {sorted(steps)}")
             got, tm = await trio.to_thread.run_sync(
-                read_wave, st, host, steps.pop(), wave, [mans[r][1] for r in wave]
+                read_wave, st, host.vol, steps.pop(), wave, [mans[r][1] for r in wave]
             )
         except Exception as e:
             for rank in wave:
@@ -527,6 +534,11 @@ async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -
     out: list[dict] = []
     hosts: list[dict] = []
     fn = {"save": save_host, "load": load_host, "resume": resume_host}[what]
+    if st.cfg.get("agent_sockets"):
+        from bench import harness_ranks as hr
+
+        fn = {"save": hr.save_host, "load": hr.load_host, "resume": hr.resume_host}[what]
+        st.limiter = trio.CapacityLimiter(hr.THREADS)
     total = sum(len(h.ranks) for h in st.hosts)
 
     async def progress(cancel: trio.CancelScope) -> None:
@@ -575,7 +587,7 @@ async def run_phase(st: WorkerState, conn, what: str, step: int, start: float) -
 def _uploaded(st: WorkerState) -> int:
     """Bytes this process's tiers uploaded so far: uploads during a phase share its CPU."""
     return sum(
-        h.uploaded_before + (h.vol.tier.uploaded_bytes if h.vol.tier is not None else 0)
+        h.uploaded_before + (h.vol.tier.uploaded_bytes if h.vol and h.vol.tier else 0)
         for h in st.hosts
     )
 
@@ -592,7 +604,12 @@ def flush_all(st: WorkerState, timeout: float) -> list[dict]:
     for h in st.hosts:
         t0 = time.time()
         try:
-            h.vol.tier.flush(timeout=timeout)
+            if h.vol is None:  # with agents: the host's agent drains its tier
+                from bench.harness_ranks import flush
+
+                trio.run(flush, h, timeout)
+            else:
+                h.vol.tier.flush(timeout=timeout)
             out.append({"host": h.name, "ok": True, "s": time.time() - t0, "error": ""})
         except Exception as e:
             out.append({"host": h.name, "ok": False, "s": time.time() - t0, "error": str(e)})
@@ -606,7 +623,7 @@ def counters(st: WorkerState) -> dict:
     out = {"failovers": 0, "reconnects": 0, "hangs": 0}
     for h in st.hosts:
         for k in out:
-            out[k] += h.counted[k] + int(getattr(h.vol.meta, k, 0) or 0)
+            out[k] += h.counted[k] + int(getattr(getattr(h.vol, "meta", None), k, 0) or 0)
     return out
 
 
@@ -626,6 +643,20 @@ def _tie_to_coordinator() -> None:
     parent = multiprocessing.parent_process()
     if parent is not None and os.getppid() != parent.pid:  # it died before the tie was made
         os._exit(1)
+
+
+def _open_agent_ranks(st: WorkerState) -> None:
+    """Every rank of this process's hosts connects to its host's agent (all at once)."""
+    from bench.harness_ranks import NodesOnce, open_ranks
+
+    st.nodes = NodesOnce(st.cfg)
+
+    async def all_hosts() -> None:
+        async with trio.open_nursery() as n:
+            for h in st.hosts:
+                n.start_soon(open_ranks, st.cfg, h, st.nodes)
+
+    trio.run(all_hosts)
 
 
 def worker_main(
@@ -651,6 +682,8 @@ def worker_main(
             opened.append(open_host(cfg, index, ranks))
         maker = ShardMaker(cfg["kind"], cfg["seed"], cfg["shard_size"], cfg["block_size"])
         st = WorkerState(cfg, opened, maker)
+        if cfg.get("agent_sockets"):
+            _open_agent_ranks(st)
         conn.send(("ready", os.getpid()))
         while True:
             msg = conn.recv()
@@ -684,7 +717,12 @@ def worker_main(
     finally:
         for h in opened:
             try:
-                h.vol.close()
+                if h.vol is None:
+                    from bench.harness_ranks import close_ranks
+
+                    close_ranks(h)
+                else:
+                    h.vol.close()
             except Exception:  # noqa: S110 - closing at exit; the run's verdict is already out
                 pass
         try:

@@ -26,7 +26,7 @@ def _cfg(tmp_path, **kw) -> HarnessConfig:
 
 
 def test_small_run_end_to_end(tmp_path):
-    rep = run(
+    rep = run(  # --no-agent: each simulated host one Volume, its phases timed in sequence
         _cfg(
             tmp_path,
             steps=2,
@@ -34,8 +34,10 @@ def test_small_run_end_to_end(tmp_path):
             chunk_size=64 * 1024,
             shard_size=256 * 1024,
             resume=True,
+            agent=False,
         )
     )
+    assert rep["agents"] is None
     assert rep["verdict"]["ok"], rep["verdict"]
     s1, s2 = rep["steps"]
     for s in (s1, s2):
@@ -75,6 +77,38 @@ def test_small_run_end_to_end(tmp_path):
     paths = plot(rep, str(tmp_path / "plots"))
     assert all(os.path.getsize(p) > 1000 for p in paths)
     assert not os.listdir(tmp_path) or os.listdir(tmp_path) == ["plots"]  # env removed
+
+
+def test_ranks_through_their_host_agents(tmp_path):
+    """The default: a `ckptfs agent` per host, each rank a client of its own (a connection,
+    a Volume and a stager each); the service sees one connection per host, not per rank,
+    and a resume restarts the agents and reconnects every rank."""
+    rep = run(
+        _cfg(tmp_path, ranks=16, steps=2, change_rate=0.25, shard_size=256 * 1024, resume=True)
+    )
+    assert rep["verdict"]["ok"], rep["verdict"]
+    before, after = rep["resume"]["agents_before_restart"], rep["agents"]
+    for a in (before, after):  # (+2 a host: the coordinator's, warming up and asking stats)
+        assert a["agents"] == 2 and not a["errors"], a
+        assert a["ranks_served"] == 16 + 2 * 2, a  # each rank its own connection to its agent
+        assert a["upstream_connections"] == 2, a  # ... and one to the service per host
+        assert a["uploader_threads"] > 0  # the agents upload; the ranks run no uploaders
+    # two steps' saves and loads went through the agents: per rank, at least its manifest
+    # twice, a commit and a staged chunk's adoption each step
+    assert before["requests"] >= 16 * 6, before
+    assert after["requests"] >= 16, after  # the resume's manifests, through the new agents
+    for s in rep["steps"]:
+        assert s["state"] == "published" and s["verified"] == 16
+        assert s["cpu_ms_per_rank_save_agents"] > 0  # (a tiny load can be under one tick)
+        assert s["cpu_ms_per_rank_save_client"] >= s["cpu_ms_per_rank_save_agents"]
+        assert {"generate (rank thread-s)", "exist (rank thread-s)", "sync (rank thread-s)"} <= set(
+            s["save_breakdown"]["aside"]
+        )
+    r = rep["resume"]
+    assert r["verified"] == 16 and r["agents_restart_s"] > 0, r
+    assert r["cpu_ms_per_rank_service"] >= 0 and r["cpu_ms_per_rank_agents"] >= 0
+    assert "cpu_ms_per_rank_save_service" in rep and "cpu_ms_per_rank_load_service" in rep
+    assert not os.listdir(tmp_path)  # sockets, staging and logs removed
 
 
 def test_corrupted_data_fails_the_verdict(tmp_path):
@@ -426,9 +460,9 @@ def test_hang_meta_loopback_fleet(tmp_path):
     lines: list[str] = []
     cfg = _cfg(
         tmp_path, ranks=64, hosts=2, steps=4, meta_replicas=2, db="postgres", hang_meta=True,
-        hang_s=8.0, phase_timeout=40,
+        hang_s=8.0, phase_timeout=40, agent=False,
     )  # fmt: skip
-    rep = run(cfg, log=lines.append)
+    rep = run(cfg, log=lines.append)  # (no agents: the hosts' own clients count failovers)
     took = time.monotonic() - t0
     assert rep["verdict"]["ok"], [ln for ln in rep["verdict"]["lines"] if "FAIL" in ln] or rep
     (f,) = rep["faults"]
