@@ -27,6 +27,7 @@ path: an answer written at once and a frame read whole are never charged.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from typing import Any
@@ -42,6 +43,11 @@ PAUSE_AT = 0.75  # of the budget: connections with answers queued stop reading r
 SHED_AT = 0.875  # of the budget: the connections stalled longest are dropped
 PARTIAL_STALL_S = 10.0  # seconds without a byte of a frame being received: dropped
 CHECK_EVERY = 1.0  # seconds between two looks for stalled frames
+# glibc's M_MMAP_THRESHOLD, fixed (see big_buffers_mapped): buffers this big or bigger are
+# mapped, not taken from the heap; the 1 MiB receive buffers stay below it.
+MMAP_THRESHOLD = 2 << 20
+_M_MMAP_THRESHOLD = -3
+TRIM_AFTER = 32 << 20  # bytes released from the budget before the heap is trimmed
 
 
 MIN_BUDGET = 1 << 20
@@ -62,6 +68,9 @@ class Budget:
         self.peak = 0  # the most ever charged at once
         self.tight = False  # used past pause_at: connections with answers queued pause
         self.holders: dict[Any, None] = {}
+        self.released = 0  # bytes released since the heap was last trimmed
+        self.libc: Any = None  # set by run(): glibc, when the service runs on it
+        self.trim_s = 0.0  # time spent trimming the heap, in all
         self.stats = {"dropped_budget": 0, "dropped_stalled": 0}
 
     def charge(self, conn: Any, n: int) -> None:
@@ -76,6 +85,7 @@ class Budget:
                 if self.used > self.shed_at:
                     self._shed()
         else:
+            self.released -= n
             if not conn.out_bytes and not conn.partial_bytes:
                 self.holders.pop(conn, None)
             if self.tight and self.used <= self.pause_at:
@@ -93,6 +103,16 @@ class Budget:
                 f"connection held {held} bytes, stalled {now - _stalled_since(victim):.1f} s"
             )
             self.holders.pop(victim, None)  # (drop released it; never picked twice)
+        self.trim()  # now: the next flood must not come on top of what was just freed
+
+    def trim(self) -> None:
+        """Give the heap's free pages back to the system, once TRIM_AFTER bytes were
+        released (a few ms for hundreds of MiB: after drops, and from run())."""
+        if self.libc is not None and self.released > TRIM_AFTER:
+            self.released = 0
+            t0 = time.perf_counter()
+            self.libc.malloc_trim(0)
+            self.trim_s += time.perf_counter() - t0
 
     def check_stalled(self, now: float) -> None:
         """Drop connections whose partial frame got no byte for PARTIAL_STALL_S. One that
@@ -112,10 +132,14 @@ class Budget:
 
     async def run(self) -> None:
         """The stalled-frame check, every CHECK_EVERY (in the service's nursery)."""
+        self.libc = _libc()
+        if self.libc is not None:
+            self.libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         while True:
             await trio.sleep(CHECK_EVERY)
             if self.holders:
                 self.check_stalled(time.monotonic())
+            self.trim()
 
     def sizes(self) -> dict[str, int]:
         return {"budget_used": self.used, "budget_holders": len(self.holders)}
@@ -129,3 +153,22 @@ def _stalled_since(conn: Any) -> float:
     if conn.partial_bytes and conn.in_since < t:
         t = conn.in_since
     return t
+
+
+def _libc() -> Any:
+    """glibc, to keep the service's RSS near what it holds (None: another C library).
+
+    Freed memory stays in the process: answers dropped for the budget left the heap at its
+    high-water mark, and a later flood of another size (frames) came on top of it (three
+    stalled 64 MiB frames after a flood of unread answers: RSS 400 MiB over the start,
+    with 224 MiB charged). So, once TRIM_AFTER bytes left the budget, the heap's free
+    pages go back to the system (malloc_trim: at once after drops, else every
+    CHECK_EVERY); and buffers
+    of MMAP_THRESHOLD or more are mapped (glibc's own threshold rises to 32 MiB once a
+    mapped buffer is freed: a frame growing by realloc then moved through the heap)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc's, or AttributeError
+    except (OSError, AttributeError):
+        return None
+    return libc

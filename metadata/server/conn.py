@@ -264,6 +264,8 @@ class Conn:
         self.inflight -= 1
         if self.counters is not None:
             self.counters.reply(method, error)
+        if self.closed:  # dropped or gone: nothing to encode for
+            return
         try:
             if error is None:
                 body = encode_answer(rid, result)

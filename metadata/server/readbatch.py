@@ -34,6 +34,7 @@ log = logging.getLogger("ckptfs.meta")
 
 SLICE_S = 0.005  # hand finished answers back at least this often within a long batch
 SLICE_N = 256  # ...or every this many calls
+SLICE_BYTES = 1 << 20  # ...or once its bytes results (xattrs, inline data) hold this much
 # Slices handed back and not yet answered by the loop, at most: the thread waits past it.
 # Unbounded, 8 clients' 8,000 get_xattr of 64 KiB were read far faster than the loop
 # answered them, and their results (500 MB) waited in the loop's queue, outside the
@@ -100,6 +101,7 @@ class ReadBatcher:
         done: dict[tuple, Outcome] = {}
         out: list[tuple[Any, Any, Any]] = []
         since = time.monotonic()
+        size = 0
         for method, args, kwargs, slot in batch:
             key = _key(method, args, kwargs)
             outcome = done.get(key) if key is not None else None
@@ -108,9 +110,11 @@ class ReadBatcher:
                 if key is not None:
                     done[key] = outcome
             out.append((slot, *outcome))
-            if len(out) >= SLICE_N or time.monotonic() - since >= SLICE_S:
+            if type(outcome[0]) is bytes:
+                size += len(outcome[0])
+            if len(out) >= SLICE_N or size >= SLICE_BYTES or time.monotonic() - since >= SLICE_S:
                 self._send_back(out, token)
-                out, since = [], time.monotonic()
+                out, since, size = [], time.monotonic(), 0
         if out:
             self._send_back(out, token)
 
