@@ -12,9 +12,10 @@ another rank: the object nodes (for reads straight from them), trio's worker thr
 (bounded by one limiter) and the process's CPU.
 
 A rank's connection does one request at a time (a rank's calls are sequential), from its
-trio task, or from its staging thread through `RankEngine` (trio.from_thread), which is
-what the Volume, its sink and the HostStager call. The socket outlives the per-phase trio
-runs: it is a plain non-blocking socket awaited with trio.lowlevel.wait_readable/writable.
+trio task, or from its staging thread through `RankEngine` (waiting on the socket in that
+thread), which is what the Volume, its sink and the HostStager call. The socket outlives
+the per-phase trio runs: a plain non-blocking socket, awaited with trio.lowlevel on the
+loop and with select in a thread.
 
 Differences from a rank process, on purpose: a rank's chunk leases are not renewed by a
 thread of its own (a harness save lasts seconds, a lease minutes: 4,096 renewer threads
@@ -28,6 +29,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import select
 import socket
 import time
 from dataclasses import dataclass
@@ -91,22 +93,55 @@ class RankConn:
             why = hello.get("error") if isinstance(hello, dict) else hello
             raise MetaError(int(hello.get("errno") or errno.EPROTO), f"agent refused: {why}")
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """One request and its answer (a rank's requests are sequential)."""
+    def _request(self, method: str, args: tuple, kwargs: dict) -> tuple[int, bytes]:
         if self.sock is None:
             raise MetaError(errno.EBADF, "rank connection closed")
         if self.busy:
             raise RuntimeError("a rank's connection does one request at a time")
         self.busy = True
+        rid = self.next_id
+        self.next_id += 1
+        key = os.urandom(16) if method in MUTATING_METHODS else None
+        return rid, encode_frame([rid, method, list(pack_args(method, args)), kwargs, key])
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One request and its answer, from the rank's trio task."""
+        rid, req = self._request(method, args, kwargs)
         try:
-            rid = self.next_id
-            self.next_id += 1
-            key = os.urandom(16) if method in MUTATING_METHODS else None
-            req = [rid, method, list(pack_args(method, tuple(args))), kwargs, key]
-            await self._send(encode_frame(req))
+            await self._send(req)
             msg = decode(await self._frame())
         finally:
             self.busy = False
+        return self._result(method, rid, msg)
+
+    def call_blocking(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One request and its answer, from the rank's own thread (its staging): the
+        thread waits on the socket itself, with no hop through the trio loop (two hops a
+        call, 40% of a worker's busy samples in a save when they went through it)."""
+        rid, req = self._request(method, args, kwargs)
+        try:
+            view = memoryview(req)
+            while view:
+                try:
+                    view = view[self.sock.send(view) :]  # type: ignore[union-attr]
+                except BlockingIOError:
+                    select.select([], [self.sock], [], CONNECT_TIMEOUT)
+            while not self.frames:
+                try:
+                    data = self.sock.recv(1 << 20)  # type: ignore[union-attr]
+                except BlockingIOError:
+                    select.select([self.sock], [], [], CONNECT_TIMEOUT)
+                    continue
+                if not data:
+                    raise MetaError(errno.ECONNRESET, "the agent closed the connection")
+                self.frames = [bytes(f) for f in self.dec.feed(data)]
+            msg = decode(self.frames.pop(0))
+        finally:
+            self.busy = False
+        return self._result(method, rid, msg)
+
+    @staticmethod
+    def _result(method: str, rid: int, msg: Any) -> Any:
         if not isinstance(msg, list) or len(msg) != 3 or msg[0] != rid:
             raise MetaError(errno.EPROTO, f"{method}: unexpected answer {msg!r:.80}")
         if msg[1]:
@@ -145,13 +180,13 @@ class RankConn:
 
 class RankEngine:
     """The rank's connection as the blocking engine a Volume, its sink and the HostStager
-    call from the rank's staging thread (trio.from_thread: the I/O stays on the loop)."""
+    call from the rank's staging thread (RankConn.call_blocking)."""
 
     def __init__(self, conn: RankConn) -> None:
         self.conn = conn
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return trio.from_thread.run(functools.partial(self.conn.call, method, *args, **kwargs))
+        return self.conn.call_blocking(method, *args, **kwargs)
 
     def missing_chunks(self, ids: list[bytes]) -> set[bytes]:
         return set(self.call("missing_chunks", list(ids)))
