@@ -5,6 +5,15 @@ and align with tensors when the DCP writer forces a cut at each tensor, and cont
 chunking (FastCDC-style gear hashing with normalized chunking), which keeps boundaries stable when
 bytes are inserted or removed so that a shifted checkpoint still deduplicates.
 
+Every frontend cuts here, by one rule per kind. FileWriter (CLI, fsspec, `write_file`) and
+the batched `stage_files` feed the volume's chunker (`Volume.make_chunker`); the DCP writer
+feeds a ``views=True`` one (tensors hashed in place) and forces a cut at every item, its
+tensor-aligned hint; the mount, whose writes come in any order, places them by
+:class:`Layout`, the fixed rule in random-access form, with cuts where a torch.save zip's
+entries begin and end (its hints, found by fusefs.mount.layout.ZipBoundaries). The mount
+has no CDC: a block's place is fixed before the bytes around it are known, so a CDC
+volume gets fixed blocks through the mount.
+
 CDC boundary rule (must never change: stored chunk ids depend on it). With ``gear`` the standard
 32-bit gear hash ``h = (h << 1) + G[byte]`` (so the window is the last 32 bytes), a chunk that
 starts at offset ``c`` ends after byte ``i`` at the first ``i`` with ``len = i + 1 - c`` where
@@ -22,7 +31,9 @@ a few MB/s; this runs at several hundred MB/s.
 
 from __future__ import annotations
 
-from typing import Protocol
+import bisect
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,6 +43,7 @@ __all__ = [
     "Chunker",
     "FixedChunker",
     "CdcChunker",
+    "Layout",
     "make_chunker",
 ]
 
@@ -44,17 +56,18 @@ _LAZY = 64 * 1024  # small feeds are only buffered until this much is left to sc
 
 
 class Chunker(Protocol):
-    """A stream cutter: feed bytes in, get finished chunks (bytes objects) out."""
+    """A stream cutter: feed bytes in, get finished chunks out (bytes objects; lists of
+    views from a ``views=True`` fixed chunker)."""
 
-    def feed(self, data: bytes | memoryview) -> list[bytes]:
+    def feed(self, data: bytes | memoryview) -> list[Any]:
         """Append ``data``; return the chunks it completed."""
         ...
 
-    def cut(self) -> list[bytes]:
+    def cut(self) -> list[Any]:
         """Force a boundary here; return the pending tail as a chunk if non-empty."""
         ...
 
-    def finish(self) -> list[bytes]:
+    def finish(self) -> list[Any]:
         """End of stream; return the remaining bytes as a final chunk if any."""
         ...
 
@@ -69,17 +82,79 @@ def _check_size(name: str, value: int) -> None:
         )
 
 
-class FixedChunker:
-    """Boundaries every ``size`` bytes since the start or the last forced :meth:`cut`."""
+class Layout:
+    """The fixed rule in random-access form: boundaries at each cut and every ``bs`` bytes
+    after it, up to the next cut (cuts 0, c1 ... -> [0, bs) ... [k*bs, c1) [c1, c1+bs) ...).
 
-    def __init__(self, size: int = 4 * 2**20) -> None:
+    :class:`FixedChunker` walks this rule over a stream; the mount, whose writes come in any
+    order, asks it where the block holding a byte begins and ends (fusefs.mount.blocks), so
+    a file written through the mount is cut exactly as a FileWriter or the DCP writer cuts
+    the same bytes with the same forced cuts."""
+
+    __slots__ = ("bs", "cuts")
+
+    def __init__(self, bs: int, cuts: list[int] | None = None) -> None:
+        self.bs = bs
+        self.cuts = cuts if cuts else [0]
+
+    @classmethod
+    def of_extents(cls, bs: int, extents: Iterable[Any]) -> Layout:
+        """The cuts a stored file was written with, from its extents (``offset``,
+        ``chunk_off``): every extent that starts a chunk off the grid of the cut before it.
+        An aligned file has none."""
+        cuts = [0]
+        for e in extents:
+            if e.chunk_off == 0 and (e.offset - cuts[-1]) % bs:
+                cuts.append(e.offset)
+        return cls(bs, cuts)
+
+    def span(self, x: int) -> tuple[int, int]:
+        """The block holding byte x: [lo, hi)."""
+        cuts = self.cuts
+        if len(cuts) == 1:
+            lo = x - x % self.bs
+            return lo, lo + self.bs
+        i = bisect.bisect_right(cuts, x) - 1
+        c = cuts[i]
+        lo = c + (x - c) // self.bs * self.bs
+        hi = lo + self.bs
+        if i + 1 < len(cuts) and cuts[i + 1] < hi:
+            hi = cuts[i + 1]
+        return lo, hi
+
+    def cut(self, at: int) -> None:
+        """A new cut, past every cut so far (cuts come from appends, in order)."""
+        if at > self.cuts[-1]:
+            self.cuts.append(at)
+
+    def clip(self, size: int) -> None:
+        """Forget the cuts past a truncated file's end."""
+        while len(self.cuts) > 1 and self.cuts[-1] > size:
+            self.cuts.pop()
+
+
+class FixedChunker:
+    """Boundaries every ``size`` bytes since the start or the last forced :meth:`cut` (the
+    rule of :class:`Layout`, over a stream).
+
+    ``views=True``: chunks come out as lists of memoryviews of the fed buffers, not copied
+    (the DCP writer hashes a tensor's bytes in place and copies only new chunks, once); the
+    caller keeps every fed buffer unchanged until its chunks are stored. Otherwise each
+    chunk is one bytes object (one copy per byte)."""
+
+    def __init__(self, size: int = 4 * 2**20, *, views: bool = False) -> None:
         _check_size("size", size)
         self.size = size
+        self.views = views
         self._buf = bytearray()  # pending bytes of the current (incomplete) chunk
+        self._pieces: list[memoryview] = []  # ...or, views=True, its pending views
+        self._plen = 0  # their bytes
 
-    def feed(self, data: bytes | memoryview) -> list[bytes]:
+    def feed(self, data: bytes | memoryview) -> list[Any]:
+        if self.views:
+            return self._feed_views(data)
         size = self.size
-        out: list[bytes] = []
+        out: list[Any] = []
         with memoryview(data) as mv_in:
             mv = mv_in.cast("B") if mv_in.format != "B" or mv_in.ndim != 1 else mv_in
             pos = 0
@@ -99,14 +174,35 @@ class FixedChunker:
                 self._buf += mv[pos:]
         return out
 
-    def cut(self) -> list[bytes]:
+    def _feed_views(self, data: bytes | memoryview) -> list[Any]:
+        mv = memoryview(data)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        out: list[Any] = []
+        pos, n, size = 0, len(mv), self.size
+        while pos < n:
+            take = min(size - self._plen, n - pos)
+            self._pieces.append(mv[pos : pos + take])
+            self._plen += take
+            pos += take
+            if self._plen == size:
+                out.append(self._pieces)
+                self._pieces, self._plen = [], 0
+        return out
+
+    def cut(self) -> list[Any]:
+        if self.views:
+            if not self._plen:
+                return []
+            pieces, self._pieces, self._plen = self._pieces, [], 0
+            return [pieces]
         if not self._buf:
             return []
         chunk = bytes(self._buf)
         self._buf = bytearray()
         return [chunk]
 
-    def finish(self) -> list[bytes]:
+    def finish(self) -> list[Any]:
         return self.cut()
 
 
@@ -284,14 +380,20 @@ class CdcChunker:
 
 
 def make_chunker(
-    kind: str, size: int, *, min_size: int | None = None, max_size: int | None = None
+    kind: str,
+    size: int,
+    *,
+    min_size: int | None = None,
+    max_size: int | None = None,
+    views: bool = False,
 ) -> Chunker:
     """Build a chunker from config: ``kind`` "fixed" (``size`` bytes) or "cdc" (``size`` = avg).
 
     ``min_size``/``max_size`` only apply to "cdc"; a fixed chunker has no use for them.
+    ``views`` only applies to "fixed" (FixedChunker); CDC chunks are always copies.
     """
     if kind == "fixed":
-        return FixedChunker(size)
+        return FixedChunker(size, views=views)
     if kind == "cdc":
         return CdcChunker(size, min_size=min_size, max_size=max_size)
     raise ValueError(f"unknown chunker kind {kind!r}: expected 'fixed' or 'cdc'")

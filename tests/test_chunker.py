@@ -15,6 +15,7 @@ from chunkstore.chunker import (
     MIN_CHUNK,
     CdcChunker,
     FixedChunker,
+    Layout,
     _gear_table,
     make_chunker,
 )
@@ -87,6 +88,45 @@ def test_fixed_same_chunks_for_any_feed_split(splits, cuts):
     expect = run(FixedChunker(64 * KiB), data, cuts=cuts)
     assert run(FixedChunker(64 * KiB), data, splits=splits, cuts=cuts) == expect
     assert b"".join(expect) == data
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 400 * KiB), max_size=12), st.sets(st.integers(0, 400 * KiB)))
+def test_fixed_views_cut_the_same_chunks_without_copying(splits, cuts):
+    """views=True (the DCP writer's): the same chunks as lists of views of the fed buffers."""
+    data = rand(400 * KiB, seed=3)
+    expect = run(FixedChunker(64 * KiB), data, cuts=cuts)
+    got = run(FixedChunker(64 * KiB, views=True), data, splits=splits, cuts=cuts)
+    assert [b"".join(p) for p in got] == expect
+    assert all(isinstance(v, memoryview) and v.obj is data for p in got for v in p)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sets(st.integers(1, 400 * KiB - 1), max_size=8))
+def test_layout_is_the_fixed_rule_in_random_access_form(cuts):
+    """The mount places blocks by Layout; a stream cut by FixedChunker with the same forced
+    cuts ends its chunks exactly at the Layout's block ends (one rule for every writer),
+    and the cuts come back from the extents they were written with."""
+    data = rand(400 * KiB, seed=4)
+    chunks = run(FixedChunker(64 * KiB), data, cuts=cuts)
+    layout = Layout(64 * KiB)
+    for c in sorted(cuts):
+        layout.cut(c)
+    pos, spans = 0, []
+    while pos < len(data):
+        lo, hi = layout.span(pos)
+        assert lo == pos
+        spans.append(min(hi, len(data)) - lo)
+        pos = min(hi, len(data))
+    assert [len(c) for c in chunks] == spans
+
+    class E:  # an extent as the mount's committed ones: offset, chunk_off 0
+        def __init__(self, offset: int) -> None:
+            self.offset, self.chunk_off = offset, 0
+
+    starts = np.cumsum([0] + [len(c) for c in chunks[:-1]])
+    again = Layout.of_extents(64 * KiB, [E(int(x)) for x in starts])
+    assert [again.span(int(x)) for x in starts] == [layout.span(int(x)) for x in starts]
 
 
 # -- CDC --------------------------------------------------------------------------------------
@@ -224,5 +264,6 @@ def test_invalid_sizes_raise_value_error(make):
 
 def test_make_chunker_kinds():
     assert isinstance(make_chunker("fixed", 1 * MiB), FixedChunker)
+    assert make_chunker("fixed", 1 * MiB, views=True).views
     c = make_chunker("cdc", 1 * MiB, min_size=512 * KiB, max_size=2 * MiB)
     assert isinstance(c, CdcChunker) and (c.min_size, c.max_size) == (512 * KiB, 2 * MiB)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 import time
 
 import pytest
@@ -183,3 +184,55 @@ def test_condemned_rows_of_an_older_volume_stay_condemned(tmp_path):
             )
     finally:
         vol.close()
+
+
+def test_gc_racing_small_file_commits_through_a_mount_never_deletes_their_chunks(
+    new_volume, mount_factory
+):
+    """The mount's small-file close (one block, committed in one call) goes through the
+    sink like every writer: a new chunk too big to go inline (16-64 KiB) is asked for
+    first, which leases it, before it is stored and committed. It used to be stored
+    unasked: gc, running with no grace period in another process, condemned and deleted
+    objects between their store and their commit, whose close then failed (or its file
+    was unreadable). durability=remote: the chunk is on the nodes from its store on."""
+    mounted = mount_factory(new_volume(), "mnt", "--durability", "remote")
+    payload = bytearray(os.urandom(40 * 1024))  # > INLINE_DATA_MAX: an object on the nodes
+    stop = time.monotonic() + 60.0
+    done = threading.Event()
+    rounds: list[int] = []
+    errors: list[str] = []
+
+    def collect() -> None:
+        with Volume.open(mounted.volume) as v:
+            for node in v.store.nodes:  # with no grace period it would take the temp
+                node.sweep_tmp = lambda cutoff: (0, 0)  # files of puts in progress
+            while not done.is_set() and time.monotonic() < stop:
+                rep = gc(v, grace=0.0, progress=False)
+                rounds.append(rep.objects_deleted)
+                errors.extend(rep.errors)
+
+    t = threading.Thread(target=collect)
+    t.start()
+    failed: list[str] = []
+    try:
+        for i in range(300):
+            if time.monotonic() > stop:
+                break
+            payload[:8] = i.to_bytes(8, "little")
+            try:
+                with open(mounted.path(f"s{i:03d}"), "wb") as f:
+                    f.write(payload)
+            except OSError as e:
+                failed.append(f"s{i:03d}: {e}")
+    finally:
+        done.set()
+        t.join(90)
+    assert not t.is_alive()
+    assert len(rounds) >= 5, rounds  # gc did race the writes
+    assert not failed, failed[:5]
+    assert not errors, errors[:5]
+    assert sum(rounds) == 0, rounds  # every object it saw was leased or registered
+    for i in range(300):
+        payload[:8] = i.to_bytes(8, "little")
+        with open(mounted.path(f"s{i:03d}"), "rb") as f:
+            assert f.read() == payload, i

@@ -213,3 +213,39 @@ def test_read_many_reads_what_is_in_memory_on_its_own_thread(vol, tmp_path):
         for e in f.extents:
             evict(os.path.join(vol.tier.staged_dir, e.chunk_id.hex()))
     assert [b for b, _ in read()] == want
+
+
+def test_one_existence_policy_for_every_writer(vol, tmp_path):
+    """ChunkSink.plan is the one "which exist?" rule: a batch's distinct ids are asked in one
+    query, less the ids its writer already stores and less chunks that go inline; a FileWriter's
+    stream, the mount's per-block call and stage_files all ask through it."""
+    from fusefs.client.batch import stage_files
+
+    asked: list[list[bytes]] = []
+    real = vol.meta.missing_chunks
+
+    def missing_chunks(ids):
+        asked.append(list(ids))
+        return real(ids)
+
+    vol.meta.missing_chunks = missing_chunks
+    a, b = os.urandom(MiB), os.urandom(MiB)
+    stream = vol.sink.stream(inline=True, batch=4)
+    for piece in (a, b, a, b"tiny"):  # one batch: a twice, an inline-sized chunk
+        stream.add([piece], len(piece))
+    stream.add([a], MiB)  # the next batch: a is this writer's already
+    stream.finish()
+    assert [len(q) for q in asked] == [2]  # a and b, once each; nothing for the rest
+    assert sorted(r.state == INLINE for r in stream.new_chunks.values()) == [False, False, True]
+    assert vol.sink.dedup_hits == 2  # a repeated twice within the stream
+    asked.clear()
+    assert vol.sink.hash_and_store([b"tiny"], 4)[1].state == INLINE  # inline: not asked
+    assert asked == []
+    assert vol.sink.hash_and_store([b[:10], b[10:]], MiB)[1] is not None  # b: not committed
+    assert len(asked) == 1
+    asked.clear()
+    c = os.urandom(3 * MiB)
+    staged = stage_files(vol, [[c], [c], [b"x" * 100]])  # one pass: one query, small asked too
+    assert [len(q) for q in asked] == [4]  # c's three chunks and the small one, once
+    assert [len(f.new_chunks) for f in staged] == [3, 3, 1]
+    assert staged[0].stored > 0 and staged[1].stored == 0

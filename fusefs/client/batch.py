@@ -9,7 +9,7 @@ that was ~3.5 ms of CPU per rank against 30 us of hashing. Here a batch of files
 
     cut            by the volume's chunker, a boundary after each buffer (as FileWriter.cut)
     -> ids         one hashing task per pool worker for the whole batch (ChunkSink.ids)
-    -> which exist one query for the batch's distinct ids (ChunkSink.missing)
+    -> which exist one query for the batch's distinct ids (ChunkSink.plan, as every writer)
     -> store       the new ones, one task per worker, each storing its share (ChunkSink.store)
     -> sync        one acknowledgement for the batch (ChunkSink.sync)
 
@@ -95,29 +95,24 @@ def stage_files(
     t = _timed(timings, "chunk", t)
     ids = sink.ids(chunks)
     t = _timed(timings, "hash", t)
-    distinct = list(dict.fromkeys(ids))
-    missing = sink.missing(distinct) if distinct else set()
+    new = sink.plan(ids, [len(c) for c in chunks], inline=False)
     t = _timed(timings, "exist", t)
-    first: dict[bytes, int] = {}  # new chunk id -> index of its first occurrence
-    for k, cid in enumerate(ids):
-        if cid in missing and cid not in first:
-            first[cid] = k
-    todo = list(first.items())
-    stored = sink.spread(lambda c: sink.store(c[0], [chunks[c[1]]], len(chunks[c[1]])), todo)
-    records: dict[bytes, NewChunk] = {rec.chunk_id: rec for rec in stored}
+    todo = [k for k, store in enumerate(new) if store]
+    stored = sink.spread(lambda k: sink.store(ids[k], [chunks[k]], len(chunks[k])), todo)
+    records: dict[int, NewChunk] = dict(zip(todo, stored, strict=True))
     t = _timed(timings, "store", t)
     sink.sync()
     _timed(timings, "sync", t)
-    seen: list[set[bytes]] = [set() for _ in files]
+    seen: list[set[bytes]] = [set() for _ in files]  # each file's new chunks
+    by_id = {rec.chunk_id: rec for rec in stored}
     for k, (cid, data) in enumerate(zip(ids, chunks, strict=True)):
         f, n = out[owner[k]], len(data)
         f.extents.append(Extent(f.size, n, cid, 0))
         f.size += n
-        rec = records.get(cid)
-        known = rec is None or first[cid] != k
-        sink.counted(n, known=known)
-        if not known:
+        rec = records.get(k)
+        if rec is not None:
             f.stored += rec.stored_len
+        rec = by_id.get(cid)
         if rec is not None and cid not in seen[owner[k]]:
             seen[owner[k]].add(cid)
             f.new_chunks.append(rec)

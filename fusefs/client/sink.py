@@ -1,12 +1,15 @@
 """The chunk sink: the one way chunks get from any writer into storage.
 
 Every frontend writes through here: the volume's FileWriter (CLI, `write_file`), the DCP
-writer (per-item cuts, tensors hashed in place) and the mount's dirty blocks. They differ
-only in where they cut chunks and how they publish the result (commit_file or
-commit_rank); what happens to a chunk is decided once, in this module:
+writer (per-item cuts, tensors hashed in place), the batched `stage_files` and the mount's
+dirty blocks and small files. All cut with chunkstore.chunker; they differ only in the
+batch they have at hand and how they publish the result (commit_file or commit_rank);
+what happens to a chunk is decided once, in this module:
 
-    pieces -> id (xxh3-128, in the volume's worker pool, a batch at a time)
-           -> "which of these exist?" (one metadata query per batch; known ones are skipped)
+    pieces -> id (xxh3-128, a batch at a time)
+           -> "which of these exist?" (`plan`: one query per batch for its distinct ids not
+              already stored by this writer, which leases the missing ones; a chunk that
+              goes inline is not asked; known ones are skipped)
            -> new chunk:  small and committed with commit_file  -> inline in the metadata
                           local write-behind tier                -> staged raw, unsynced
                           otherwise                              -> encoded, put unsynced
@@ -229,23 +232,48 @@ class ChunkSink:
         self.stored_bytes += len(blob)
         return NewChunk(cid, n, len(blob), state)
 
-    def hash_and_store(self, pieces: Pieces, n: int) -> tuple[bytes, NewChunk | None]:
-        """One chunk in one call (the mount seals a block at a time, from many files at
-        once): its id, one "is it known?" query, and the store if it is not. A chunk small
-        enough to be inline skips the query: its record carries the bytes, and the commit
-        keeps a chunk row already there."""
-        cid = pieces_id(list(pieces), self.vol.seed)
-        known = n > INLINE_DATA_MAX and not self.missing([cid])
-        self.counted(n, known=known)
-        return cid, None if known else self.store(cid, pieces, n, inline=True)
+    def plan(
+        self,
+        ids: Sequence[bytes],
+        sizes: Sequence[int],
+        *,
+        inline: bool,
+        planned: set[bytes] | None = None,
+    ) -> list[bool]:
+        """THE "which exist?" policy, for every writer: which chunks of a batch to store.
 
-    def count_committed(self, n: int, *, new: bool) -> None:
-        """A chunk a writer committed without the sink (the mount's small file committed
-        on its loop connection): counted as handed in, and as inline or a dedup hit."""
-        self.counted(n, known=not new)
-        if new:
-            self.puts_inline += 1
-            self.stored_bytes += n
+        A batch is what the writer has at hand (a stream's next `batch` chunks, the mount's
+        sealed block, stage_files' whole batch of files). Its distinct ids, less those this
+        writer already `planned` (stored or storing), are asked in ONE query (missing(),
+        which leases what it reports missing); a chunk that goes inline (`inline` and at
+        most INLINE_DATA_MAX bytes) is not asked: its record carries the bytes, and the
+        commit keeps a chunk row already there. Returns, per chunk, whether to store it:
+        the first occurrence of an id neither known nor planned (added to `planned`).
+        Every chunk is counted (dedup hits included)."""
+        planned = set() if planned is None else planned
+        small = INLINE_DATA_MAX if inline else -1
+        ask = [
+            cid
+            for cid, n in dict(zip(ids, sizes, strict=True)).items()
+            if n > small and cid not in planned
+        ]
+        missing = self.missing(ask) if ask else set()
+        out: list[bool] = []
+        for cid, n in zip(ids, sizes, strict=True):
+            new = cid not in planned and (n <= small or cid in missing)
+            if new:
+                planned.add(cid)
+            self.counted(n, known=not new)
+            out.append(new)
+        return out
+
+    def hash_and_store(self, pieces: Pieces, n: int) -> tuple[bytes, NewChunk | None]:
+        """One chunk in one call, by `plan` (the mount seals a block at a time, from many
+        files at once, in one worker call each): its id, its "is it known?" query and its
+        store; the record is None for a known chunk."""
+        cid = pieces_id(list(pieces), self.vol.seed)
+        (new,) = self.plan([cid], [n], inline=True)
+        return cid, self.store(cid, pieces, n, inline=True) if new else None
 
     # -- acknowledging -------------------------------------------------------------------
     @property
@@ -342,6 +370,15 @@ class ChunkStream:
         self._inflight_bytes = 0
         self._planned: set[bytes] = set()
 
+    def add_chunks(self, chunks: list[bytes] | list[list[Buffer]], hint: Hint = NO_HINT) -> None:
+        """The next chunks as a chunker cut them (chunkstore.chunker: bytes, or lists of
+        views from a `views=True` fixed chunker)."""
+        for ch in chunks:
+            if isinstance(ch, list):
+                self.add(ch, sum(len(p) for p in ch), hint)
+            else:
+                self.add([ch], len(ch), hint)
+
     def add(self, pieces: Pieces, n: int, hint: Hint = NO_HINT) -> None:
         """The next chunk of the file: n bytes as one or more pieces."""
         self._batch.append((self.size, pieces, n, hint))
@@ -356,14 +393,10 @@ class ChunkStream:
         batch, self._batch = self._batch, []
         sink = self.sink
         ids = sink.ids([p[0] if len(p) == 1 else list(p) for _, p, _, _ in batch], spread=False)
-        ask = [cid for cid in dict.fromkeys(ids) if cid not in self._planned]
-        missing = sink.missing(ask) if ask else set()
-        for (off, pieces, n, hint), cid in zip(batch, ids, strict=True):
+        new = sink.plan(ids, [n for _, _, n, _ in batch], inline=self.inline, planned=self._planned)
+        for (off, pieces, n, hint), cid, store in zip(batch, ids, new, strict=True):
             self.extents.append(Extent(off, n, cid, 0))
-            known = cid not in missing or cid in self._planned
-            sink.counted(n, known=known)
-            if not known:
-                self._planned.add(cid)
+            if store:
                 while self._inflight and self._inflight_bytes + n > self.inflight_max:
                     self._reap()
                 fut = sink.vol.pool.submit(sink.store, cid, pieces, n, hint, inline=self.inline)

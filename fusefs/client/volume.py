@@ -468,9 +468,12 @@ class Volume:
         return self.meta.stats().as_dict()
 
     # -- chunk plumbing shared by all writers -----------------------------
-    def make_chunker(self):
+    def make_chunker(self, *, views: bool = False):
+        """The volume's cutter (chunkstore.chunker); views: fixed chunks as uncopied views."""
         s = self.settings
-        return make_chunker(s.chunking, s.chunk_size, min_size=s.cdc_min, max_size=s.cdc_max)
+        return make_chunker(
+            s.chunking, s.chunk_size, min_size=s.cdc_min, max_size=s.cdc_max, views=views
+        )
 
     def read_chunk_into(self, cid: bytes, views: list[memoryview], *, nowait: bool = False) -> bool:
         """A chunk's raw bytes read into `views` from this host's tier, if it holds the chunk

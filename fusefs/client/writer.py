@@ -60,14 +60,12 @@ class FileWriter:
     def write(self, data: bytes | memoryview) -> int:
         if self.closed:
             raise ValueError("write to a closed FileWriter")
-        for ch in self.chunker.feed(data):
-            self.stream.add([ch], len(ch), self.hint)
+        self.stream.add_chunks(self.chunker.feed(data), self.hint)
         return len(data)
 
     def cut(self) -> None:
         """Force a chunk boundary here (DCP cuts at every tensor, for dedup)."""
-        for ch in self.chunker.cut():
-            self.stream.add([ch], len(ch), self.hint)
+        self.stream.add_chunks(self.chunker.cut(), self.hint)
 
     def flush_data(self) -> None:
         """Store every byte written so far durably (no commit)."""
@@ -80,8 +78,7 @@ class FileWriter:
             return self.attr
         self.closed = True
         try:
-            for ch in self.chunker.finish():
-                self.stream.add([ch], len(ch), self.hint)
+            self.stream.add_chunks(self.chunker.finish(), self.hint)
             self.stream.finish()
             self.vol.sink.sync()
         except BaseException:

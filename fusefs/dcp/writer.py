@@ -327,9 +327,10 @@ _FLOAT_WIDTH = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, torch.flo
 class _ChunkFile:
     """A volume file being written, never committed to the namespace (commit_rank does that).
 
-    Where DCP cuts chunks: at every item, and (fixed chunking, the default) as lists of
-    pieces, so a tensor's bytes stay where they are (views of its storage), are hashed in
-    place and copied once, only when the chunk is new: an unchanged tensor costs a hash and
+    Where DCP cuts chunks: by the volume's chunker (chunkstore.chunker), forced at every
+    item, and (fixed chunking, the default) as lists of views, so a tensor's bytes stay
+    where they are (views of its storage), are hashed in place and copied once, only when
+    the chunk is new: an unchanged tensor costs a hash and
     a share of one query. Each chunk carries a codec hint from its item's dtype. What
     happens to the chunks is the volume's chunk sink's business (fusefs.client.sink), with
     bigger "which exist?" batches than a FileWriter's."""
@@ -337,12 +338,9 @@ class _ChunkFile:
     def __init__(self, vol: Volume, batch: int, inflight: int) -> None:
         self.vol = vol
         self.fixed = vol.settings.chunking == "fixed"
-        self.chunk_size = vol.settings.chunk_size
-        self.chunker = None if self.fixed else vol.make_chunker()
+        self.chunker = vol.make_chunker(views=True)  # the volume's cutter (chunkstore.chunker)
         self.stream = vol.sink.stream(inline=False, batch=batch, inflight=inflight)
         self.hint: Hint = NO_HINT
-        self._pieces: list[bytes | memoryview] = []
-        self._plen = 0
         self._keep: list[torch.Tensor] = []  # tensors whose storage our pieces view
         self._source: tuple[int, int] | None = None  # (address, nbytes) of the item's storage
 
@@ -375,38 +373,16 @@ class _ChunkFile:
         mv = memoryview(data)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
-        n = mv.nbytes
-        if self.chunker is not None:
-            for ch in self.chunker.feed(mv):
-                self.stream.add([ch], len(ch), self.hint)
-            return n
-        if not self._stable(mv):
+        if self.fixed and not self._stable(mv):
             mv = memoryview(bytes(mv))  # torch reuses its small buffers: copy those
-        pos = 0
-        while pos < n:
-            take = min(self.chunk_size - self._plen, n - pos)
-            self._pieces.append(mv[pos : pos + take])
-            self._plen += take
-            pos += take
-            if self._plen == self.chunk_size:
-                self.cut()
-        return n
+        self.stream.add_chunks(self.chunker.feed(mv), self.hint)
+        return mv.nbytes
 
     def cut(self) -> None:
-        if self.chunker is not None:
-            for ch in self.chunker.cut():
-                self.stream.add([ch], len(ch), self.hint)
-            return
-        if self._plen:
-            pieces, n = self._pieces, self._plen
-            self._pieces, self._plen = [], 0
-            self.stream.add(pieces, n, self.hint)
+        self.stream.add_chunks(self.chunker.cut(), self.hint)
 
     def close(self) -> None:
-        if self.chunker is not None:
-            for ch in self.chunker.finish():
-                self.stream.add([ch], len(ch), self.hint)
-        self.cut()
+        self.stream.add_chunks(self.chunker.finish(), self.hint)
         self.stream.finish()
         self._keep = []
 

@@ -1,14 +1,15 @@
 """What a file open through the mount holds besides its committed extents: dirty blocks.
 
 A file being written is its committed extent list plus dirty blocks, laid out by the
-file's `Layout` (fusefs.mount.layout: chunk-size-aligned for an ordinary file; starting at
-each entry for a zip written front to back, as torch.save writes), so a file rewritten in
-place cuts the same chunks as a sequential write of it, and unchanged blocks deduplicate.
-A block is keyed by its first byte's offset in the file. A block only remembers which
-byte ranges were written ("spans"); the old content of its gaps is read when it is sealed,
-so a writer that covers whole blocks never reads anything back. Large appends are kept as
-views of the writer's buffers (Pieces) rather than copied. FileState is a file's state on
-the mount: extents, blocks, records of new chunks not yet committed."""
+file's `Layout` (chunkstore.chunker, the rule every writer cuts by; its cuts from
+fusefs.mount.layout: chunk-size-aligned for an ordinary file; starting at each entry for a
+zip written front to back, as torch.save writes), so a file rewritten in place cuts the
+same chunks as a sequential write of it, and unchanged blocks deduplicate. A block is
+keyed by its first byte's offset in the file. A block only remembers which byte ranges
+were written ("spans"); the old content of its gaps is read when it is sealed, so a writer
+that covers whole blocks never reads anything back. Large appends are kept as views of the
+writer's buffers (Pieces) rather than copied. FileState is a file's state on the mount:
+extents, blocks, records of new chunks not yet committed."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 
 import trio
 
+from chunkstore.chunker import Layout
 from fusefs.client.extents import clip
-from fusefs.mount.layout import ZIP_LOCAL, Layout, ZipBoundaries
+from fusefs.mount.layout import ZIP_LOCAL, ZipBoundaries
 from metadata.engine import (
     INLINE,
     Attr,

@@ -19,10 +19,12 @@ sealed early when it is exceeded) plus `inflight_max` bytes being stored
 file's full extent list in one metadata call.
 
 Each sealed block costs one worker call: its id, one "is it known?" query (skipped for a
-block small enough to go inline) and the store (ChunkSink.hash_and_store). Grouping the
-queries of concurrent blocks on the loop cost more thread round trips than it saved. A
-file that is one small block (the small-file case) is hashed, stored and committed in a
-single worker call at close.
+block small enough to go inline) and the store (ChunkSink.hash_and_store: the sink's one
+"which exist?" policy, `plan`, over a batch of one). Grouping the queries of concurrent
+blocks on the loop cost more thread round trips than it saved. A file that is one small
+block (the small-file case) is hashed, stored and committed in a single worker call at
+close, or, inline-sized or already stored, on the loop; a new one asks first like every
+block, so its chunk is leased until the commit registers it.
 
 Sealed blocks go through the volume's one chunk sink (fusefs.client.sink), which stores
 them unsynced and acknowledges them in one batch right before the commit that names them
@@ -46,7 +48,6 @@ from typing import Any
 
 import trio
 
-from chunkstore.ids import pieces_id
 from fusefs.client.extents import clip, maybe_inline, overlapping, splice
 from fusefs.client.volume import Volume
 from fusefs.mount.blocks import (
@@ -327,10 +328,6 @@ class FileCache:
         """Worker thread: the block through the volume's chunk sink in one call."""
         return self.vol.sink.hash_and_store(parts_of(data), len(data))
 
-    def _put(self, cid: bytes, data: bytes | memoryview | Pieces) -> NewChunk:
-        """Worker thread: store a block already known to be new (ChunkSink.store)."""
-        return self.vol.sink.store(cid, parts_of(data), len(data), inline=True)
-
     def _publish(self, ino: int, extents, size: int, chunks: list[NewChunk], mtime_ns: int):
         """Worker thread: sync what was stored unsynced, then commit the file."""
         self.vol.sink.sync()
@@ -407,12 +404,12 @@ class FileCache:
         base = st.extents
 
         known: tuple[bytes, Attr] | None = None
-        new_cid: bytes | None = None  # hashed and found missing inline: store it
+        ready: tuple[bytes, NewChunk] | None = None  # put through the sink already: publish it
 
         def work() -> tuple[bytes, NewChunk | None, Attr | Exception]:
-            if new_cid is not None:
-                cid, rec = new_cid, self._put(new_cid, data)
-            else:
+            if ready is not None:
+                cid, rec = ready
+            else:  # the sink's one path: "is it known?" (which leases it), store if not
                 cid, rec = self._hash_and_store(data)
             mine = dict(chunks)
             if rec is not None:
@@ -426,7 +423,7 @@ class FileCache:
 
         try:
             if self.local is not None and not chunks and not base and length <= INLINE_COMMIT:
-                known, new_cid = self._commit_known_inline(st.ino, data, length, size, mtime_ns)
+                known, ready = self._commit_known_inline(st.ino, data, length, size, mtime_ns)
             if known is not None:
                 (cid, attr), rec = known, None
             else:
@@ -451,31 +448,37 @@ class FileCache:
 
     def _commit_known_inline(
         self, ino: int, data: bytes, length: int, size: int, mtime_ns: int
-    ) -> tuple[tuple[bytes, Attr] | None, bytes | None]:
+    ) -> tuple[tuple[bytes, Attr] | None, tuple[bytes, NewChunk] | None]:
         """A new small file committed right here, on the mount's inline connection, as its
         namespace calls are, saving the close a worker round trip. Content of at most
-        INLINE_DATA_MAX bytes goes into the same transaction (an inline chunk; one already known
-        stays as it is): nothing is staged or uploaded, and no fsync orders data before the
-        metadata naming it. Larger content is committed here only if it is already stored
-        (the same file saved again at every step): commit_file refuses extents naming an
-        unregistered chunk (UnknownChunks), so asking "is it known?" first would only add a
-        second transaction, and a chunk it finds cannot be collected in between (gc deletes
-        rows of unreferenced chunks in a transaction of its own). Returns ((chunk id,
-        attributes), None) when committed; (None, chunk id) when the content is new (the
-        worker stores it without asking again); (None, None) for anything else (a busy
-        database, a refusal): the worker path."""
-        cid = pieces_id([data], self.vol.seed)
-        new = [NewChunk.inline(cid, data)] if length <= INLINE_DATA_MAX else []
+        INLINE_DATA_MAX bytes goes through the sink as every writer's does (an inline
+        record: no query, nothing staged or uploaded, nothing to lease) into the same
+        transaction. Larger content is committed here only if it is already stored (the
+        same file saved again at every step): commit_file refuses extents naming an
+        unregistered chunk (UnknownChunks), and a chunk it finds cannot be collected in
+        between (gc deletes rows of unreferenced chunks in a transaction of its own). New
+        larger content goes the sink's whole way on a worker: asked (which leases it:
+        gc keeps its object until the commit registers it), stored, committed. Returns
+        ((chunk id, attributes), None) when committed; (None, (chunk id, record)) when an
+        inline record was made but not committed (a busy database, a refusal: the worker
+        publishes it); (None, None) for the worker's whole path."""
+        sink = self.vol.sink
+        rec: NewChunk | None = None
+        if length <= INLINE_DATA_MAX:
+            cid, rec = sink.hash_and_store([data], length)  # no query: inline
+        else:
+            (cid,) = sink.ids([data], spread=False)
         try:
             attr = self.local.commit_file(
-                ino, [Extent(0, length, cid, 0)], size, new, mtime_ns=mtime_ns
+                ino, [Extent(0, length, cid, 0)], size, [rec] if rec else [], mtime_ns=mtime_ns
             )
         except UnknownChunks:
-            return None, cid
+            return None, None
         except MetaError as e:  # MetaBusy (nothing done) or a refusal
             log.debug("inline commit of inode %d: %s; via a worker", ino, e)
-            return None, None
-        self.vol.sink.count_committed(length, new=bool(new))
+            return None, (cid, rec) if rec is not None else None
+        if rec is None:
+            sink.counted(length, known=True)
         return (cid, attr), None
 
     async def shutdown(self) -> None:

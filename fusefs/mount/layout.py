@@ -1,4 +1,7 @@
-"""Where a file written through the mount is cut into chunks.
+"""Where a file written through the mount is cut into chunks: the hints.
+
+The rule is the one every writer cuts by (chunkstore.chunker.Layout, the fixed rule in
+random-access form); this module finds the mount's tensor-aligned cuts.
 
 A file's blocks (the units the mount seals into chunks) start at each *cut* of the file
 and then every chunk size after it, up to the next cut:
@@ -41,10 +44,11 @@ cuts the same chunks as the first write did.
 
 from __future__ import annotations
 
-import bisect
 import struct
 
-from metadata.engine import Extent
+from chunkstore.chunker import Layout
+
+__all__ = ["ENTRY_MIN", "HEAD_SCAN", "Layout", "ZIP_LOCAL", "ZipBoundaries"]
 
 ENTRY_MIN = 64 * 1024  # entries seen to hold less data than this are not cut out
 HEAD_SCAN = 16 * 1024  # bytes after a request's start searched for local headers
@@ -53,50 +57,6 @@ ZIP_LOCAL = b"PK\x03\x04"  # a zip local file header: an entry starts
 _DESC = b"PK\x07\x08"  # a data descriptor: the sizes of an entry written as a stream
 _LOCAL = struct.Struct("<4sHHHHHIIIHH")  # signature .. extra length: 30 bytes
 _NAME_MAX = 1024
-
-
-class Layout:
-    """Block boundaries of one file: its cuts, and the chunk size between them."""
-
-    __slots__ = ("bs", "cuts")
-
-    def __init__(self, bs: int, cuts: list[int] | None = None) -> None:
-        self.bs = bs
-        self.cuts = cuts if cuts else [0]
-
-    @classmethod
-    def of_extents(cls, bs: int, extents: list[Extent]) -> Layout:
-        """The cuts a committed file was written with: every extent that starts a chunk
-        (chunk offset 0) off the grid of the cut before it. An aligned file has none."""
-        cuts = [0]
-        for e in extents:
-            if e.chunk_off == 0 and (e.offset - cuts[-1]) % bs:
-                cuts.append(e.offset)
-        return cls(bs, cuts)
-
-    def span(self, x: int) -> tuple[int, int]:
-        """The block holding byte x: [lo, hi)."""
-        cuts = self.cuts
-        if len(cuts) == 1:
-            lo = x - x % self.bs
-            return lo, lo + self.bs
-        i = bisect.bisect_right(cuts, x) - 1
-        c = cuts[i]
-        lo = c + (x - c) // self.bs * self.bs
-        hi = lo + self.bs
-        if i + 1 < len(cuts) and cuts[i + 1] < hi:
-            hi = cuts[i + 1]
-        return lo, hi
-
-    def cut(self, at: int) -> None:
-        """A new cut, past every cut so far (cuts come from appends, in order)."""
-        if at > self.cuts[-1]:
-            self.cuts.append(at)
-
-    def clip(self, size: int) -> None:
-        """Forget the cuts past a truncated file's end."""
-        while len(self.cuts) > 1 and self.cuts[-1] > size:
-            self.cuts.pop()
 
 
 class ZipBoundaries:
