@@ -657,3 +657,39 @@ def test_put_get_through_the_agent_of_a_volume_directory_and_bad_clients(tmp_pat
         assert agent.proc.poll() is None
     finally:
         assert agent.signal(signal.SIGTERM) == 0, agent.log_text()[-2000:]
+
+
+def test_a_mount_with_agent_serves_the_hosts_ranks(tmp_path, mount_env, mount_factory):
+    """`ckptfs mount --agent`: the mount daemon is the host's agent; a `ckptfs put` goes
+    through it and the file reads back through the mountpoint; the socket goes with the
+    unmount."""
+    vol = new_volume(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    mount_env["XDG_RUNTIME_DIR"] = str(run)  # (the factory starts the mount with this env)
+    m = mount_factory(vol, "mnt", "--agent")
+    sock = str(run / "ckptfs" / f"agent-{agent_key(vol)}.sock")
+    end = time.monotonic() + 30
+    while not os.path.exists(sock):
+        assert time.monotonic() < end, m.log_text()
+        time.sleep(0.05)
+    data = os.urandom(200_000)
+    (tmp_path / "f").write_bytes(data)
+    res = subprocess.run(
+        [sys.executable, "-m", "fusefs.cli", "-v", "put", vol, str(tmp_path / "f"), "/a/f"],
+        env=mount_env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0 and NO_AGENT not in res.stderr, res.stderr
+    stats = agent_call(sock, vol, "agent_stats")
+    assert stats["ranks_served"] >= 1 and stats["pid"] == m.pid, stats
+    end = time.monotonic() + 30
+    while True:  # the mount learns of the file from its change feed
+        try:
+            with open(m.path("a", "f"), "rb") as f:
+                assert f.read() == data
+            break
+        except FileNotFoundError:
+            assert time.monotonic() < end
+            time.sleep(0.2)
+    m.unmount()
+    assert not os.path.exists(sock)

@@ -426,3 +426,18 @@ async def _refuse(stream: trio.SocketStream, code: int, why: str) -> None:
                 left -= len(data)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
+
+
+def agent_for(vol: Any, spec: str, path: str, durability: str) -> Agent:
+    """The agent over a volume this process opened (its tier, if any, attached): the
+    `ckptfs agent` command's, or a mount's (`ckptfs mount --agent`)."""
+    from fusefs.agent.upstream import LocalUpstream, RemoteUpstream
+    from metadata.server.service import absolute_config
+
+    if spec.startswith("ckptfs://"):
+        config, upstream = vol.config, RemoteUpstream(vol.meta)
+    else:
+        config = absolute_config(vol.config, vol.base_dir)
+        upstream = LocalUpstream(vol.meta, config)
+    staging = vol.tier.root if vol.tier is not None else None
+    return Agent(vol, upstream, path, config=config, staging_dir=staging, durability=durability)

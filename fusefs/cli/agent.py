@@ -24,29 +24,18 @@ def cmd_agent(args: argparse.Namespace) -> int:
     import trio
 
     from fusefs.agent.paths import socket_path
-    from fusefs.agent.server import Agent, AgentError
-    from fusefs.agent.upstream import LocalUpstream, RemoteUpstream
+    from fusefs.agent.server import AgentError, agent_for
     from fusefs.cli.main import UserError
     from fusefs.client.volume import Volume
-    from metadata.server.service import absolute_config
 
     remote = args.volume.startswith("ckptfs://")
     spec = args.volume if remote else os.path.abspath(args.volume)
     path = socket_path(spec, args.socket)
     vol = Volume.open(spec)  # its own client, never through an agent (it is the agent)
     try:
-        staging = None
         if not args.no_tier:
-            tier = vol.attach_tier(args.staging, args.staging_size, args.durability)
-            staging = tier.root
-        if remote:
-            config, upstream = vol.config, RemoteUpstream(vol.meta)
-        else:
-            config = absolute_config(vol.config, vol.base_dir)
-            upstream = LocalUpstream(vol.meta, config)
-        agent = Agent(
-            vol, upstream, path, config=config, staging_dir=staging, durability=args.durability
-        )
+            vol.attach_tier(args.staging, args.staging_size, args.durability)
+        agent = agent_for(vol, spec, path, args.durability)
         try:
             trio.run(_run, agent, spec)
         except AgentError as e:

@@ -186,6 +186,12 @@ def _serve(
         vol = Volume.open(spec)
         try:
             attach_tier(vol, args.staging, args.staging_size, args.durability)
+            agent = None
+            if args.agent:  # this host's ranks use the mount's client (fusefs/agent)
+                from fusefs.agent.paths import socket_path
+                from fusefs.agent.server import agent_for
+
+                agent = agent_for(vol, spec, socket_path(spec), args.durability or "local")
             pidfile = _pidfile(mp)
             os.makedirs(os.path.dirname(pidfile), exist_ok=True)
             with open(pidfile, "w") as f:
@@ -197,6 +203,7 @@ def _serve(
                     allow_other=args.allow_other,
                     on_ready=on_ready,
                     on_start=collector.attach if collector is not None else None,
+                    agent=agent,
                 )
             finally:
                 try:
@@ -417,6 +424,11 @@ def register(sub) -> None:
         default=None,
         metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics",
+    )
+    m.add_argument(
+        "--agent",
+        action="store_true",
+        help="also serve this host's ranks as their ckptfs agent (see `ckptfs agent`)",
     )
     m.set_defaults(func=_run(cmd_mount))
 

@@ -141,6 +141,7 @@ class CkptFS(pyfuse3.Operations):
         self.op_errors: dict[str, int] = {}
         self.bytes_read = 0
         self.bytes_written = 0
+        self.agent: Any = None  # the host agent this mount serves (`mount --agent`), if any
 
     # -- plumbing ------------------------------------------------------------------
     async def run(self, on_ready: Callable[[], None] | None = None) -> None:
@@ -161,6 +162,8 @@ class CkptFS(pyfuse3.Operations):
                         )
                     if self.vol.base_dir is not None:  # a volume directory: no service
                         n.start_soon(run_auto_backups, self.vol)  # backs its metadata up (0: off)
+                    if self.agent is not None:  # this host's ranks' client (fusefs/agent)
+                        n.start_soon(self._serve_agent)
                     await pyfuse3.main(min_tasks=4, max_tasks=64)
                     n.cancel_scope.cancel()
                 await self.cache.shutdown()
@@ -169,6 +172,16 @@ class CkptFS(pyfuse3.Operations):
         finally:
             if self.local is not None:
                 self.local.close()
+
+    async def _serve_agent(self) -> None:
+        """The host agent on this mount's volume (`mount --agent`): a socket taken by
+        another agent is said once and the mount goes on without serving ranks."""
+        from fusefs.agent.server import AgentError
+
+        try:
+            await self.agent.serve()
+        except AgentError as e:
+            log.warning("not serving this host's ranks: %s", e)
 
     async def _housekeeping(self) -> None:
         """The engine's periodic upkeep (MetaEngine.housekeeping), from a worker: a step
@@ -850,15 +863,17 @@ def serve(
     allow_other: bool = False,
     on_ready: Callable[[], None] | None = None,
     on_start: Callable[[CkptFS], None] | None = None,
+    agent: Any = None,
 ) -> None:
     """Mount, serve until unmounted or SIGINT/SIGTERM, unmount. Blocks.
     `on_start(fs)` gets the filesystem object before the mount (the metrics endpoint
-    reads its counters)."""
+    reads its counters); `agent` (fusefs.agent.server.Agent) is served while mounted."""
     mountpoint = os.path.abspath(mountpoint)
     purged = vol.meta.purge_orphans()
     if purged:
         log.info("purged %d orphan inode(s) left by a crash", purged)
     fs = CkptFS(vol, mountpoint)
+    fs.agent = agent
     if on_start is not None:
         on_start(fs)
     tune_malloc()
