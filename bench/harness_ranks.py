@@ -15,7 +15,7 @@ A rank's connection does one request at a time (a rank's calls are sequential), 
 trio task, or from its staging thread through `RankEngine` (waiting on the socket in that
 thread), which is what the Volume, its sink and the HostStager call. The socket outlives
 the per-phase trio runs: a plain non-blocking socket, awaited with trio.lowlevel on the
-loop and with select in a thread.
+loop and with poll in a thread.
 
 Differences from a rank process, on purpose: a rank's chunk leases are not renewed by a
 thread of its own (a harness save lasts seconds, a lease minutes: 4,096 renewer threads
@@ -55,6 +55,7 @@ from metadata.wire.protocol import (
 
 THREADS = 96  # rank threads of one worker process at once (staging, reading): most wait
 CONNECT_TIMEOUT = 30.0  # seconds a rank's connect and hello may take
+ANSWER_TIMEOUT = 600.0  # ... an answer (an adopt waits for staging room; the phase bounds it)
 
 
 class RankConn:
@@ -125,12 +126,12 @@ class RankConn:
                 try:
                     view = view[self.sock.send(view) :]  # type: ignore[union-attr]
                 except BlockingIOError:
-                    select.select([], [self.sock], [], CONNECT_TIMEOUT)
+                    _wait(self.sock, select.POLLOUT, CONNECT_TIMEOUT)
             while not self.frames:
                 try:
                     data = self.sock.recv(1 << 20)  # type: ignore[union-attr]
                 except BlockingIOError:
-                    select.select([self.sock], [], [], CONNECT_TIMEOUT)
+                    _wait(self.sock, select.POLLIN, ANSWER_TIMEOUT)
                     continue
                 if not data:
                     raise MetaError(errno.ECONNRESET, "the agent closed the connection")
@@ -176,6 +177,15 @@ class RankConn:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+def _wait(sock: Any, event: int, timeout: float) -> None:
+    """Block this thread until the socket is ready (poll: a worker's ranks hold more than
+    1,024 descriptors, past what select takes); MetaError after `timeout` seconds."""
+    p = select.poll()
+    p.register(sock, event | select.POLLERR | select.POLLHUP)
+    if not p.poll(timeout * 1000):
+        raise MetaError(errno.ETIMEDOUT, "the agent did not answer in time")
 
 
 class RankEngine:
