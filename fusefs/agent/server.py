@@ -255,25 +255,31 @@ class Agent:
             await _refuse(stream, errno.EPROTO, f"protocol version {hello.get('proto')!r}")
             return None
         if self.upstream.remote:
-            err = await self._verify(token)
-            if err is not None:
+            refusal = await self._verify(token)
+            if refusal is not None:
+                code, err = refusal
                 self.stats["refused_hello"] += 1
                 log.warning("refused rank pid %d: %s", pid, err)
-                await _refuse(stream, errno.EACCES, err)
+                await _refuse(stream, code, err)
                 return None
         await stream.send_all(encode_frame({"ok": True, "proto": PROTO_VERSION}))
         return token or "", [bytes(f) for f in frames[1:]]
 
-    async def _verify(self, token: Any) -> str | None:
-        """Why this token may not use a service volume through the agent, or None."""
+    async def _verify(self, token: Any) -> tuple[int, str] | None:
+        """(errno, why) this token may not use a service volume through the agent, or None.
+        A service that cannot be asked is not a refusal of the token: its errno says so,
+        and the rank runs its own client (rank.py)."""
         if not isinstance(token, str) or not token:
-            return "a hello without a token (the agent never acts as its own credential)"
+            why = "a hello without a token (the agent never acts as its own credential)"
+            return errno.EACCES, why
         if self._tokens.get(token, 0.0) > time.monotonic():
             return None
         try:
             await self.upstream.call(token, "ping", [], {})
         except MetaError as e:
-            return f"the service refused the rank's token: {e}"
+            if e.errno == errno.EACCES:
+                return errno.EACCES, f"the service refused the rank's token: {e}"
+            return e.errno or errno.EIO, f"cannot check the rank's token: {e}"
         self._tokens[token] = time.monotonic() + TOKEN_TTL
         if len(self._tokens) > 4096:
             now = time.monotonic()
