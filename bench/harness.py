@@ -4,7 +4,9 @@ The coordinator (this module) owns the environment and the clock; worker process
 (bench.harness_worker) own the simulated hosts and their ranks. One step:
 
   begin(job, step, world)  ->  every rank, at one start time: generate its shard, write it
-  through the chunk pipeline into its host's write-behind tier, commit_rank over ckptfs://
+  through the chunk pipeline into its host's write-behind tier, commit_rank (through its
+  host's `ckptfs agent`, each rank its own client of it: bench.harness_agents and
+  bench.harness_ranks; with --no-agent, one Volume per host speaks for its ranks)
   ->  the service publishes when the last rank commits (wait_published)  ->  every rank, at
   one start time: fetch its manifest, read its shard back, compare with the seed's bytes.
 
