@@ -307,3 +307,27 @@ def test_requests_on_behalf_of_other_credentials_share_one_connection(served):
     assert e.value.errno == errno.EACCES
     assert admin.step_state("job-a", 5)["state"] == "open"
     assert admin.step_state("job-b", 5)["state"] == "open"
+
+
+def test_a_token_made_a_moment_ago_works_at_once_as_a_requests_own_token(served):
+    """`ckptfs token create` (another process, straight into the database) and at once a
+    rank through its host's agent: the service reloads its tokens for an unknown request
+    token before refusing it, as it does for a hello (it used to wait for its 0.5 s poll)."""
+    server, admin, c, path = served
+    with Volume.open(path) as vol:
+        fresh = vol.meta.create_token("rank-c", "writer", ["job-c"])
+    as_fresh = c["reader"].behalf(fresh)
+    assert as_fresh.begin("job-c", 1, 1)["state"] == "open"
+    _refused(as_fresh.begin, "job-a", 1, 1)  # and its scope holds
+    with Volume.open(path) as vol:
+        vol.meta.revoke_token("rank-c")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # revoked: refused within the poll period
+        try:
+            as_fresh.ping()
+        except MetaError as e:
+            assert e.errno == errno.EACCES
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("a revoked token was still accepted after 10 s")

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import trio
 import xxhash
 
 from metadata.engine import MetaError
@@ -132,6 +133,7 @@ class Access:
         self._by_digest: dict[bytes, Principal] = {ADMIN_DIGEST: ADMIN}
         self.generation = -1
         self._paths: OrderedDict[int, tuple[float, bytes | None]] = OrderedDict()
+        self._reloading: trio.Event | None = None  # a reload_now in flight
 
     # -- credentials (blocking: run in a worker thread) -----------------------------
     def reload(self) -> bool:
@@ -146,6 +148,21 @@ class Access:
         self._by_digest = table
         self.generation = gen
         return True
+
+    async def reload_now(self, run: Callable[[Callable[[], bool]], Awaitable[bool]]) -> None:
+        """`reload` in a worker thread (`run`), one at a time: callers that come while one
+        runs wait for it. So a token made a moment ago works at once, in a hello or as a
+        request's own token (an agent's rank may beat the poll), and unknown tokens sent
+        in a burst cost one reload, not one each."""
+        if self._reloading is not None:
+            await self._reloading.wait()
+            return
+        self._reloading = done = trio.Event()
+        try:
+            await run(self.reload)
+        finally:
+            self._reloading = None
+            done.set()
 
     def authenticate(self, token: str) -> Principal | None:
         """The principal a hello's token names, from memory (None: unknown so far)."""

@@ -187,6 +187,7 @@ class MetaService:
         self.engine = engine
         self._token = token.encode()
         self.access = Access(engine, self._token)  # who may call what (server/access.py)
+        self._tokens_reloadable = getattr(engine, "token_generation", None) is not None
         self.base_dir = base_dir
         self.max_frame = max_frame
         self.limiter = trio.CapacityLimiter(threads)
@@ -308,6 +309,11 @@ class MetaService:
         finally:
             trio.lowlevel.notify_closing(listener)
             listener.close()
+
+    async def _reload_then(self, conn: Conn, nursery: trio.Nursery, req: tuple, body: Any) -> None:
+        """A request's own token unknown: reload (access.py `reload_now`), route it again."""
+        await self.access.reload_now(self._run)
+        self._on_request(conn, nursery, req, body, again=True)
 
     async def _run(self, fn: Any, *args: Any, **kw: Any) -> Any:
         return await trio.to_thread.run_sync(partial(fn, *args, **kw), limiter=self.limiter)
@@ -435,7 +441,7 @@ class MetaService:
             return
         principal = self.access.authenticate(hello["token"])
         if principal is None and getattr(self.engine, "token_generation", None) is not None:
-            await self._run(self.access.reload)  # a token made since the last look
+            await self.access.reload_now(self._run)  # a token made since the last look
             principal = self.access.authenticate(hello["token"])
         if principal is None or self.access.current(principal) is None:
             self.stats["bad_clients"] += 1
@@ -560,19 +566,26 @@ class MetaService:
                 self._close_idle(conn)
 
     # -- dispatch ------------------------------------------------------------------
-    def _on_request(self, conn: Conn, nursery: trio.Nursery, req: tuple, body: Any = None) -> None:
-        """Route one request without a task where possible: the hot ones never wait here."""
+    def _on_request(
+        self, conn: Conn, nursery: trio.Nursery, req: tuple, body: Any = None, again: bool = False
+    ) -> None:
+        """Route one request without a task where possible: the hot ones never wait here.
+        again: re-routed after a token reload (already counted and in flight)."""
         rid, method, args, kwargs, key = req[:5]
-        self.stats["requests"] += 1
+        if not again:
+            self.stats["requests"] += 1
+            conn.inflight += 1
         if method != "ping":
             self._group.last_request = time.monotonic()
-        conn.inflight += 1
         if method not in REMOTE_METHODS:
             conn.reply(rid, None, MetaError(errno.ENOSYS, f"unknown method {method!r}"), method)
             return
         p = conn.principal
         if len(req) > 5:  # on behalf of another credential (wire/protocol.py)
             p = self.access.authenticate(req[5])
+            if p is None and not again and self._tokens_reloadable:  # made since the last look?
+                nursery.start_soon(self._reload_then, conn, nursery, req, body)
+                return
             if p is None:
                 err = MetaError(errno.EACCES, f"{method}: the request's token is not known")
                 self.stats["refused_scope"] += 1
