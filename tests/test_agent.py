@@ -601,7 +601,7 @@ def test_the_batcher_groups_a_hosts_requests_and_answers_each_rank(grouped):
                 n.start_soon(manifest, r)
                 n.start_soon(missing, r)
             got["stats"] = b.stats
-        assert not b.commits.groups and not b.manifests.groups  # every window closed
+        assert not b.commits.groups and not b.manifests.queued and not b.missing.busy
 
     trio.run(main)
     methods = [c[1] for c in up.calls]
@@ -617,6 +617,38 @@ def test_the_batcher_groups_a_hosts_requests_and_answers_each_rank(grouped):
     assert methods.count("manifest") == 1 and methods.count("missing_chunks") == 1
     assert got["m4"]["files"] == [{"rank": 4, "path": "f4"}] and got["m4"]["step"] == 1
     assert got["x5"] == {bytes([5, 1])}  # its own ids, of those missing
+
+
+def test_what_arrives_while_a_question_is_upstream_goes_as_one_request():
+    """Natural batching of "which exist?": a lone rank's question goes at once (no window
+    to wait), and the 40 asked while it is upstream go together when it returns; a rank
+    asking again after its answer is not held behind anyone's window."""
+    import trio
+
+    up = _Upstream(True)
+    lone: list[float] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            b = batch.Batcher(n, up.call)
+            t0 = trio.current_time()
+            await b.missing_chunks("t", [b"\x01\x01"])
+            lone.append(trio.current_time() - t0)
+
+            async def ask(r: int) -> None:
+                got = await b.missing_chunks("t", [bytes([r, 1]), bytes([r, 2])])
+                assert got == {bytes([r, 1])}
+
+            n.start_soon(ask, 0)
+            await trio.sleep(0.0002)  # the first is sent; the rest come while it is upstream
+            for r in range(1, 41):
+                n.start_soon(ask, r)
+        assert not b.missing.queued and not b.missing.busy
+
+    trio.run(main)
+    sizes = [len(c[2][0]) for c in up.calls]
+    assert sizes == [1, 2, 80], sizes
+    assert lone[0] < 0.5  # its round trip (1 ms here), no settle window on top
 
 
 def test_put_get_through_the_agent_of_a_volume_directory_and_bad_clients(tmp_path):

@@ -57,9 +57,9 @@ class DirectLink:
         self.adopted: list[list[tuple[bytes, int, int | None]]] = []
         self.fetched: list[bytes] = []
 
-    def adopt(self, entries):
+    def adopt(self, entries, synced=True):
         self.adopted.append(list(entries))
-        self.tier.adopt(entries)
+        self.tier.adopt(entries, synced=synced)
 
     def fetch(self, ids):
         self.fetched += ids
@@ -237,7 +237,7 @@ def _rec(cid: bytes, n: int) -> bytes:
 
 def test_a_refused_adopt_fails_the_save_and_acknowledges_nothing(vol_path, agent):
     class Refusing(DirectLink):
-        def adopt(self, entries):
+        def adopt(self, entries, synced=True):
             raise AdoptError("refused for the test")
 
     rank, stager = _stager(vol_path, agent, Refusing(agent.tier))
@@ -250,6 +250,39 @@ def test_a_refused_adopt_fails_the_save_and_acknowledges_nothing(vol_path, agent
         assert rank.resolve("/f").size == 0  # created empty by the open; no data committed
     finally:
         rank.close()
+
+
+def test_ranks_unsynced_adopts_share_the_agents_syncfs(agent):
+    """A rank renames its files unsynced and the agent makes them durable before it
+    journals them: one syncfs for every rank adopting at that moment (GroupSync), not a
+    file and a directory fsync per rank; a synced adopt (a tier's own) syncs nothing more."""
+    tier = agent.tier
+    if tier._syncfs_fd is None:
+        pytest.skip("no syncfs on this filesystem: an fdatasync each instead")
+    chunks = _chunks(agent.seed, 31, [100_000] * 12)
+    for cid, raw in chunks:
+        with open(os.path.join(tier.staged_dir, cid.hex()), "wb") as f:
+            f.write(codec.encode(raw, "none"))
+    entries = [(cid, len(raw) + codec.HEADER, None) for cid, raw in chunks]
+    before = tier._fs_sync.fsyncs
+    tier.adopt(entries[:1], synced=False)
+    assert tier._fs_sync.fsyncs == before + 1  # synced before its journal record
+    tier.adopt(entries[1:2])
+    assert tier._fs_sync.fsyncs == before + 1
+    go = threading.Barrier(10)
+
+    def one(e):
+        go.wait()
+        tier.adopt([e], synced=False)
+
+    threads = [threading.Thread(target=one, args=(e,)) for e in entries[2:]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    with open(tier.seg.path, "rb") as f:
+        assert set(parse_segment(f.read()).pending) == {c for c, _ in chunks}
+    assert before + 2 <= tier._fs_sync.fsyncs <= before + 11  # shared when they overlap
 
 
 def test_concurrent_adopts_of_one_chunk_journal_and_count_it_once(agent):
@@ -291,9 +324,9 @@ def test_a_file_renamed_but_not_yet_adopted_is_neither_removed_nor_counted_twice
     tier = agent.tier
 
     class TidyFirst(DirectLink):
-        def adopt(self, entries):
+        def adopt(self, entries, synced=True):
             self.tier.tidy()  # the agent's periodic pass, in the window
-            self.tier.adopt(entries)
+            self.tier.adopt(entries, synced=synced)
 
     rank, stager = _stager(vol_path, agent, TidyFirst(tier))
     try:
@@ -379,7 +412,7 @@ for line in sys.stdin:
     op, arg = json.loads(line)
     try:
         if op == "adopt":
-            tier.adopt([(bytes.fromhex(c), n, w) for c, n, w in arg])
+            tier.adopt([(bytes.fromhex(c), n, w) for c, n, w in arg], synced=False)
         elif op == "fetch":
             tier.fill_cache([bytes.fromhex(c) for c in arg])
         else:
@@ -413,7 +446,7 @@ class PipeLink:
         if kind != "ok":
             raise RuntimeError(f"agent: {kind}: {msg}")
 
-    def adopt(self, entries):
+    def adopt(self, entries, synced=True):
         self._call("adopt", [(c.hex(), n, w) for c, n, w in entries])
 
     def fetch(self, ids):
@@ -478,7 +511,7 @@ from chunkstore.tier.stager import HostStager
 from fusefs.client.volume import Volume
 
 class Stuck:
-    def adopt(self, entries):
+    def adopt(self, entries, synced=True):
         print("adopting", flush=True)
         time.sleep(600)
     def fetch(self, ids):

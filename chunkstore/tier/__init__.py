@@ -3,8 +3,8 @@
 tier.py is the tier (put, sync, upload, read cache), journal.py its journal format,
 recover.py adoption of dead processes' journals, status.py what `ckptfs status` reads,
 reads.py the verified read of staged/ and cache/. With a per-host agent (issue 42) the
-agent holds the tier and each rank a stager.py HostStager: the rank writes, fsyncs and
-renames its chunk files itself and the agent adopts them (ranks.py: adopt, fill_cache).
+agent holds the tier and each rank a stager.py HostStager: the rank writes and renames
+its chunk files itself and the agent syncs and adopts them (ranks.py: adopt, fill_cache).
 
 Layout of a staging directory (one per host and volume, shared by every process there)::
 
@@ -25,17 +25,21 @@ the chunk is on R nodes and marked durable in the metadata; only then does the f
 staged/. Concurrent writers share fsyncs (group commit): one fsync acknowledges every
 record written before it.
 
-A rank's chunks (HostStager) follow the same order across two processes: the rank
-fsyncs its temp files, renames them into staged/ and fsyncs the directory; then the
-agent's `adopt` checks each file's size and journals them (the acknowledgement). A rank
-killed before its rename leaves temp files named by its pid, which the agent's periodic
-`tidy` removes (nothing was acknowledged). Killed between rename and adopt, it leaves
-whole, fsync'd files no journal names: `tidy` adopts them once older than
-RECONCILE_AGE_S (ctime, set by the rename), so a file in that window is never taken by
-another process, and if an adopt comes after all it finds the chunk pending and adds
-nothing. Nothing ever deletes such a file but an uploader after its upload; a rank
-renames over a staged copy of the same chunk (same bytes) and never removes one. An
-agent killed after adopt returned leaves its journal to the next tier, as below.
+A rank's chunks (HostStager) follow the same order across two processes, with the syncs
+moved to the agent: the rank renames its temp files into staged/ unsynced, then the
+agent's `adopt(synced=False)` checks each file's size, makes the files and renames
+durable with one syncfs shared by every rank adopting at that moment (GroupSync; one
+fsync each and a directory fsync without syncfs), and only then journals them (the
+acknowledgement). A rank killed before its rename leaves temp files named by its pid,
+which the agent's periodic `tidy` removes (nothing was acknowledged). Killed between
+rename and adopt, it leaves files no journal names: `tidy` verifies them, syncs them and
+adopts them once older than RECONCILE_AGE_S (ctime, set by the rename), so a file in
+that window is never taken by another process, and if an adopt comes after all it finds
+the chunk pending and adds nothing. Nothing ever deletes such a file but an uploader
+after its upload; a rank never replaces a staged copy of the same chunk whose size is
+right (RENAME_NOREPLACE: another rank's acknowledgement may rest on it) and never
+removes one. An agent killed after adopt returned leaves its journal to the next tier,
+as below.
 
 Ownership: a process owns its segment while it holds an flock on it. A segment whose lock is
 free belongs to a dead process: any tier (at start, then every few seconds) adopts it by

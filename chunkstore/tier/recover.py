@@ -214,6 +214,9 @@ class Recovery:
             carry.append((cid, st.st_size, st.st_mtime_ns))
         if carry:
             carry.sort(key=lambda c: c[2])
+            # A rank renames its files unsynced (its adopt has the agent sync them): durable
+            # before a record names them, or a power cut could leave a record of garbage.
+            self._files_durable([(cid, n, None) for cid, n, _ in carry])  # type: ignore[attr-defined]
             self.seg.add_pending(carry, {})
             self._queue_carried(carry)
             log.warning("%d staged chunk(s) no journal named are queued for upload", len(carry))

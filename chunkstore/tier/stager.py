@@ -6,11 +6,15 @@ agent's socket: a rank writes its chunk files into the shared staging directory 
 its own cores, and sends only control. HostStager stands in for WriteBehindTier under a
 rank's Volume (`vol.tier`) and offers what the client uses of it, with the same meaning:
 
-- put(sync=False) writes the encoded object to tmp/ (no fsync); `sync_staged()` makes the
-  batch durable (one syncfs from SYNCFS_MIN files on, else fdatasyncs: tier.sync_files),
-  renames it into staged/, fsyncs the directory, then `link.adopt` them: the agent checks
-  and journals them, and only when that returns is the batch acknowledged. If adopt
-  raises, the save fails: nothing is acknowledged.
+- put(sync=False) writes the encoded object to tmp/ (no fsync); `sync_staged()` renames
+  the batch into staged/ and `link.adopt`s it unsynced: the agent makes the files durable
+  with one syncfs shared by every rank adopting at that moment (a rank's own fdatasync and
+  directory fsync, paid per rank, were most of a many-rank save), checks and journals
+  them, and only when that returns is the batch acknowledged. If adopt raises, the save
+  fails: nothing is acknowledged. A copy of the same chunk already in staged/ (another
+  rank's) is kept when its size is right (the rename is RENAME_NOREPLACE): replacing a
+  file another rank's acknowledgement rests on by one not yet durable could lose it in a
+  power cut.
 - get / read_into read staged/ and cache/ verified (reads.StagingReads, as the tier does);
   a miss asks the agent to `fetch` the chunk into cache/ (once per host) and reads it.
 - durability="remote": puts go straight to the nodes through `store`; nothing is adopted.
@@ -31,7 +35,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from chunkstore.cache import ChunkCache
-from chunkstore.fileio import fsync_dir, open_syncfs, temp_path, write_new
+from chunkstore.fileio import rename_noreplace, temp_path, write_new
 from chunkstore.store import ChunkStore, ChunkUnavailable
 from chunkstore.tier.journal import ACTIVE_FILE
 from chunkstore.tier.reads import StagingReads
@@ -40,7 +44,6 @@ from chunkstore.tier.tier import (
     DURABLE,
     STAGED,
     default_staging_size,
-    sync_files,
     touch_activity,
 )
 
@@ -50,9 +53,10 @@ log = logging.getLogger("ckptfs.tier")
 class AgentLink(Protocol):
     """The control a rank sends its host's agent (fusefs/agent implements it)."""
 
-    def adopt(self, entries: list[tuple[bytes, int, int | None]]) -> None:
+    def adopt(self, entries: list[tuple[bytes, int, int | None]], synced: bool = True) -> None:
         """(chunk id, size of staged/<hex>, float width hint): journal them on the agent
-        (WriteBehindTier.adopt); returns once they are durable there, raises if refused."""
+        (WriteBehindTier.adopt; synced=False: the agent syncs the files first); returns
+        once they are durable there, raises if refused."""
 
     def fetch(self, ids: list[bytes]) -> None:
         """Bring these chunks into the host cache (WriteBehindTier.fill_cache); raises
@@ -92,7 +96,6 @@ class HostStager(StagingReads):
         # (sink.unsynced_cap), so pass the agent's size when it is not the default.
         self.budget = size if size is not None else default_staging_size(self.root)
         self.cache = ChunkCache(self.root, store.seed)
-        self._syncfs_fd = open_syncfs(self.tmp_dir)
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         # written to tmp/, not yet acknowledged: cid -> (temp path, size, width hint)
@@ -143,8 +146,8 @@ class HostStager(StagingReads):
         return STAGED
 
     def sync_staged(self) -> int:
-        """Acknowledge every chunk put with sync=False: fsync (one syncfs for many), rename
-        into staged/, fsync the directory, `link.adopt`. Returns the chunks acknowledged.
+        """Acknowledge every chunk put with sync=False: rename into staged/, `link.adopt`
+        unsynced (the agent syncs and journals them). Returns the chunks acknowledged.
         Any failure drops the whole batch (its writers fail and write it again)."""
         with self._sync_lock:
             with self._lock:
@@ -155,15 +158,18 @@ class HostStager(StagingReads):
         """Make `batch` durable and adopted (under _sync_lock)."""
         if not batch:
             return 0
-        self.foreground()  # the fsyncs are foreground work: the agent's uploaders keep off
+        self.foreground()  # the agent's syncs are foreground work: its uploaders keep off
         try:
-            sync_files([tmp for _, (tmp, _, _) in batch], self._syncfs_fd)
-            for cid, (tmp, _, _) in batch:
-                # Over a copy already there (the same bytes, from another rank): ours is
-                # durable, which is what our adopt promises.
-                os.rename(tmp, os.path.join(self.staged_dir, cid.hex()))
-            fsync_dir(self.staged_dir)  # the renames are durable before the agent journals
-            self.link.adopt([(cid, n, width) for cid, (_, n, width) in batch])
+            for cid, (tmp, n, _) in batch:
+                dst = os.path.join(self.staged_dir, cid.hex())
+                if rename_noreplace(tmp, dst):
+                    continue
+                if _size(dst) == n:  # another rank's copy (module docstring): keep it
+                    os.unlink(tmp)
+                else:  # a damaged leftover no acknowledgement rests on: ours replaces it
+                    os.rename(tmp, dst)
+            # The agent syncs them (one syncfs for every rank adopting now), then journals.
+            self.link.adopt([(cid, n, width) for cid, (_, n, width) in batch], synced=False)
         except BaseException:
             # Unknown what is durable or journaled: nothing is acknowledged. Renamed files
             # stay (the agent adopts or removes them: tidy); temp files go.
@@ -289,6 +295,10 @@ class HostStager(StagingReads):
             return
         self._closed = True
         self.discard_unsynced()
-        if self._syncfs_fd is not None:
-            os.close(self._syncfs_fd)
-            self._syncfs_fd = None
+
+
+def _size(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None

@@ -148,6 +148,7 @@ class WriteBehindTier(Recovery, RankFiles, StagingReads):
         self.budget = size if size is not None else default_staging_size(self.root)
         self.cache = ChunkCache(self.root, store.seed)
         self._dirsync = GroupSync(lambda: fsync_dir(self.staged_dir))
+        self._fs_sync = GroupSync(self._syncfs)  # ranks' unsynced adopts (ranks.py)
         name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.seg = Segment(self.journal_dir, name + SEGMENT_SUFFIX)
         self.status_path = os.path.join(self.status_dir, name + ".json")
@@ -341,6 +342,10 @@ class WriteBehindTier(Recovery, RankFiles, StagingReads):
                 self._cond.notify_all()
             self.foreground()
             return len(batch)
+
+    def _syncfs(self) -> None:
+        if self._syncfs_fd is not None:
+            sync_filesystem(self._syncfs_fd)
 
     def discard_unsynced(self) -> None:
         """Drop chunks put with sync=False and never acknowledged (their save failed)."""

@@ -84,9 +84,10 @@ class AgentLink:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def adopt(self, entries: list[tuple[bytes, int, int | None]]) -> None:
+    def adopt(self, entries: list[tuple[bytes, int, int | None]], synced: bool = True) -> None:
         if entries:
-            self.engine.call("agent_adopt", [[c, n, w] for c, n, w in entries])
+            kw = {} if synced else {"synced": False}
+            self.engine.call("agent_adopt", [[c, n, w] for c, n, w in entries], **kw)
 
     def fetch(self, ids: list[bytes]) -> None:
         if ids:

@@ -388,10 +388,10 @@ class Agent:
             raise MetaError(errno.EOPNOTSUPP, f"{what}: this agent runs without a staging tier")
         return tier
 
-    async def agent_adopt(self, entries: list) -> int:
+    async def agent_adopt(self, entries: list, synced: bool = True) -> int:
         tier = self._tier("agent_adopt")
         ents = [(bytes(e[0]), int(e[1]), None if e[2] is None else int(e[2])) for e in entries]
-        await self._thread(tier.adopt, ents)
+        await self._thread(tier.adopt, ents, synced=bool(synced))
         return len(ents)
 
     async def agent_fetch(self, ids: list) -> Any:
