@@ -14,7 +14,6 @@ A mixin of WriteBehindTier (its state: staged_dir, seg, _pending, _staging, _con
 
 from __future__ import annotations
 
-import errno
 import heapq
 import logging
 import os
@@ -153,13 +152,7 @@ class RankFiles:
                 if freed:
                     self._evicted(freed)
                     continue
-                if time.monotonic() - max(self._last_freed, start) > self.stall_timeout:
-                    msg = (
-                        f"staging {self.root} full ({self._used} of {self.budget} bytes) and "
-                        f"nothing drained for {self.stall_timeout:.0f}s (object nodes down?)"
-                    )
-                    log.error("ENOSPC: %s; last upload error: %s", msg, self.last_error or "-")
-                    raise OSError(errno.ENOSPC, msg)
+                self._raise_if_stalled(start)
                 if not waited:
                     waited = True
                     self.waits += 1

@@ -465,14 +465,7 @@ class WriteBehindTier(Recovery, RankFiles, StagingReads):
                     break
                 if self._own_staged == 0 and self._reserved == 0 and n > self.budget:
                     break  # one oversized chunk at a time rather than never
-                now = time.monotonic()
-                if now - max(self._last_freed, start) > self.stall_timeout:
-                    msg = (
-                        f"staging {self.root} full ({self._used} of {self.budget} bytes) and "
-                        f"nothing drained for {self.stall_timeout:.0f}s (object nodes down?)"
-                    )
-                    log.error("ENOSPC: %s; last upload error: %s", msg, self.last_error or "-")
-                    raise OSError(errno.ENOSPC, msg)
+                self._raise_if_stalled(start)
                 if not waited:
                     waited = True
                     self.waits += 1
@@ -480,6 +473,17 @@ class WriteBehindTier(Recovery, RankFiles, StagingReads):
                 self._cond.wait(0.25)
             self._used += n
             self._reserved += n
+
+    def _raise_if_stalled(self, start: float) -> None:
+        """ENOSPC (logged) once staging is full and nothing freed space for stall_timeout
+        since `start` or the last free: a writer, or a rank's adopt, waits that long."""
+        if time.monotonic() - max(self._last_freed, start) > self.stall_timeout:
+            msg = (
+                f"staging {self.root} full ({self._used} of {self.budget} bytes) and "
+                f"nothing drained for {self.stall_timeout:.0f}s (object nodes down?)"
+            )
+            log.error("ENOSPC: %s; last upload error: %s", msg, self.last_error or "-")
+            raise OSError(errno.ENOSPC, msg)
 
     def _freed(self, n: int) -> None:
         self._used = max(0, self._used - n)
