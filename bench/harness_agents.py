@@ -12,14 +12,12 @@ job, and what a restart of the job costs is the ranks' reconnects and reads.
 
 from __future__ import annotations
 
-import os
-import select
 import signal
 import subprocess
 import sys
 import time
 
-from bench.servers import ServerError, child_env, tail
+from bench.servers import ServerError, child_env, first_line, tail
 
 START_TIMEOUT = 60.0
 STOP_GRACE = 10.0
@@ -61,15 +59,7 @@ class AgentProc:
     def wait_serving(self, timeout: float = START_TIMEOUT) -> None:
         """Wait for its "serving ... on SOCKET" line; ServerError (with its log) if none."""
         assert self.proc is not None and self.proc.stdout is not None
-        line = b""
-        end = time.monotonic() + timeout
-        while not line.endswith(b"\n") and time.monotonic() < end:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if r:
-                got = os.read(self.proc.stdout.fileno(), 4096)
-                if not got:
-                    break
-                line += got
+        line = first_line(self.proc, timeout)
         if b"serving" not in line:
             self.kill()
             why = (line.decode(errors="replace").strip() + " " + tail(self.log_path)).strip()

@@ -11,9 +11,11 @@ netns` gives every server a network stack of its own.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
+import time
 
 
 class ServerError(RuntimeError):
@@ -68,6 +70,22 @@ def kill_group(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def first_line(proc: subprocess.Popen, timeout: float) -> bytes:
+    """What a started server printed on stdout up to its first newline (its "serving ..."
+    line), waiting at most `timeout`; less if it exited or the time ran out."""
+    assert proc.stdout is not None
+    line = b""
+    end = time.monotonic() + timeout
+    while not line.endswith(b"\n") and time.monotonic() < end:
+        r, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if r:
+            got = os.read(proc.stdout.fileno(), 4096)
+            if not got:
+                break
+            line += got
+    return line
 
 
 def tail(path: str, n: int = 400) -> str:

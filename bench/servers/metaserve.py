@@ -7,7 +7,6 @@ launcher. A replica can live in a network namespace (`prefix`) on that namespace
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from bench.servers import ServerError, child_env, tail
+from bench.servers import ServerError, child_env, first_line, tail
 
 START_TIMEOUT = 60.0
 # A replica on PostgreSQL waits this long for its database at start (meta serve --db-wait),
@@ -88,16 +87,7 @@ class MetaServer:
             self.proc = subprocess.Popen(
                 cmd, env=child_env(), stdout=subprocess.PIPE, stderr=log, start_new_session=True
             )
-        line = b""
-        end = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        while not line.endswith(b"\n") and time.monotonic() < end:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if r:
-                got = os.read(self.proc.stdout.fileno(), 4096)
-                if not got:
-                    break
-                line += got
+        line = first_line(self.proc, timeout)
         text = line.decode(errors="replace")
         if "serving" not in text:  # "ckptfs meta: serving VOL on HOST:PORT ..."
             self.kill()
