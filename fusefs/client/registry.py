@@ -45,12 +45,19 @@ def volume_for(spec: str, tier: TierSpec = None, *, token: str | None = None) ->
 def open_volume(spec: str, tier: TierSpec = None, *, token: str | None = None) -> Volume:
     """A volume for this process (the caller closes it): through the host's agent when one
     answers on the volume's socket (fusefs.agent: its service connection, uploaders and
-    cache are the host's), else its own, with its own tier when `tier` asks for one."""
+    cache are the host's), else its own, with its own tier when `tier` asks for one.
+    With CKPTFS_AGENT=auto a host with no agent gets one, started by its first rank
+    (fusefs.agent.spawn); if it cannot start, this process says why once and runs its own."""
     from fusefs.agent.rank import agent_volume
+    from fusefs.agent.spawn import auto_wanted, ensure_agent
 
-    vol = agent_volume(spec, tier, token=token, workers=_pool_size())
-    if vol is not None:
-        return vol
+    # (twice with auto: an agent that left idle as this rank connected is started anew)
+    for _ in range(2 if auto_wanted() else 1):
+        if auto_wanted() and not ensure_agent(spec, tier, token=token):
+            break
+        vol = agent_volume(spec, tier, token=token, workers=_pool_size())
+        if vol is not None:
+            return vol
     vol = Volume.open(spec, workers=_pool_size(), token=token)
     if tier is not None:
         try:
