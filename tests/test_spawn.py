@@ -208,3 +208,79 @@ def test_a_token_handed_to_the_rank_reaches_the_agent_by_environment_not_argv(tm
         _wait_gone(pid, 30)
     finally:
         svc.stop()
+
+
+RANK = """
+import sys
+from fusefs.client.registry import close_volumes, volume_for
+v = volume_for(sys.argv[1], (None, "local", None))  # the DCP writer's default tier spec
+print("agent", v.agent, type(v.tier).__name__, flush=True)
+sys.stdin.readline()  # the test makes the nodes unusable meanwhile
+with v.open_write("/staged") as w:
+    w.write(open(sys.argv[2], "rb").read())
+close_volumes()  # through an agent: its chunks are the agent's to upload
+print("written", flush=True)
+"""
+
+
+def test_an_agent_started_on_demand_stays_up_while_its_chunks_cannot_upload(tmp_path):
+    """A rank starts the agent, then saves while the object nodes are unusable (each node
+    directory swapped for a file) and exits: its chunks are staged in the agent's tier and
+    cannot upload, so the agent stays far past its idle seconds; once the nodes are back it
+    uploads them, leaves, and the data reads back from the nodes."""
+    vol = new_volume(tmp_path)
+    idle = 1.0
+    env = _env(tmp_path, CKPTFS_AGENT_IDLE_EXIT=str(idle))
+    sock = _socket(env, vol)
+    data = os.urandom(4 * CHUNK)
+    (tmp_path / "src").write_bytes(data)
+    nodes = [os.path.join(vol + ".nodes", n) for n in ("n0", "n1")]
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK, vol, str(tmp_path / "src")], env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    line = rank.stdout.readline()
+    assert line.split() == ["agent", sock, "HostStager"], (line, rank.stderr.read())
+    (pid,) = _agent_pids(sock)
+    try:
+        for n in nodes:
+            os.rename(n, n + ".away")
+            with open(n, "w"):
+                pass
+        out, err = rank.communicate("go\n", timeout=120)
+        assert rank.returncode == 0 and "written" in out, err
+        time.sleep(idle + 6.0)
+        assert not _gone(pid), "the agent left with chunks not on the nodes"
+        stats = agent_call(sock, vol, "agent_stats")  # (a connection: the count restarts)
+        assert stats["pid"] == pid
+    finally:
+        for n in nodes:
+            os.unlink(n)
+            os.rename(n + ".away", n)
+    took = _wait_gone(pid, 10.0 + idle + 20)  # the uploads' backoff is 10 s at most
+    assert not os.path.exists(sock)
+    with open(log_path(sock)) as f:
+        assert f"idle for {idle:g} s" in f.read()
+    assert _get(vol, "/staged", str(tmp_path / "out"), env) == data
+    print(json.dumps({"agent_left_after_nodes_back_s": took}))
+
+
+def test_the_agent_command_carries_no_token_and_its_environment_gets_a_handed_one(
+    monkeypatch,
+):
+    """spawn's command and environment for a token handed in code: in the environment only
+    where neither the URL nor the rank's environment names one (the agent's own resolution
+    then finds the same token the rank's would)."""
+    from fusefs.agent.spawn import _command, _environment
+
+    for k in ("CKPTFS_TOKEN", "CKPTFS_TOKEN_FILE", "CKPTFS_AGENT_IDLE_EXIT"):
+        monkeypatch.delenv(k, raising=False)
+    url = "ckptfs://127.0.0.1:7410"
+    cmd = _command(url, "/run/a.sock", ("/nvme/st", "remote", 1 << 30))
+    want = [url, "--socket", "/run/a.sock", "--idle-exit", "60", "--staging", "/nvme/st"]
+    assert cmd[-11:] == [*want, "--staging-size", str(1 << 30), "--durability", "remote"]
+    assert _environment(url, "secret")["CKPTFS_TOKEN"] == "secret"
+    assert "CKPTFS_TOKEN" not in _environment(url + "?token_file=/t", "secret")
+    monkeypatch.setenv("CKPTFS_TOKEN_FILE", "/etc/t")
+    assert "CKPTFS_TOKEN" not in _environment(url, "secret")
+    assert "CKPTFS_AGENT" not in _environment(url, None)
