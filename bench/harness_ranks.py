@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import gc
 import os
 import select
 import socket
@@ -70,8 +71,10 @@ class RankConn:
         self.next_id = 1
         self.busy = False
 
-    async def open(self) -> None:
-        """Connect and say hello (the rank's token); MetaError if the agent refuses."""
+    async def open(self) -> dict:
+        """Connect and say hello (the rank's token), asking the volume's config and the
+        agent's info in the same round trip; the hello's answer (with "config" and "info"
+        from an agent that gives them). MetaError if the agent refuses."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
@@ -83,7 +86,8 @@ class RankConn:
                     except BlockingIOError:  # the agent's backlog is full: retry shortly
                         await trio.sleep(0.005)
                 self.sock = sock
-                await self._send(encode_frame({"proto": PROTO_VERSION, "token": self.token}))
+                hi = {"proto": PROTO_VERSION, "token": self.token, "want": ["config", "info"]}
+                await self._send(encode_frame(hi))
                 hello = decode(await self._frame())
         except BaseException:
             sock.close()
@@ -93,6 +97,7 @@ class RankConn:
             self.close()
             why = hello.get("error") if isinstance(hello, dict) else hello
             raise MetaError(int(hello.get("errno") or errno.EPROTO), f"agent refused: {why}")
+        return hello
 
     def _request(self, method: str, args: tuple, kwargs: dict) -> tuple[int, bytes]:
         if self.sock is None:
@@ -225,21 +230,47 @@ class Rank:
         self.conn.close()
 
 
+async def connect_rank(rank: int, path: str, token: str, nodes: Any, durability: str) -> Rank:
+    """What a rank process does to open the volume through its agent: connect, say hello
+    (the volume's config and the agent's info come with its answer: one round trip; asked
+    apart from an agent that does not give them), open its Volume and stager. `nodes`:
+    the object nodes for a config (NodesOnce)."""
+    conn = RankConn(path, token)
+    try:
+        hello = await conn.open()
+        config = hello.get("config") or await conn.call("get_config")
+        info = hello.get("info") or await conn.call("agent_info")
+    except BaseException:
+        conn.close()
+        raise
+    return await open_rank(rank, conn, config, nodes(config), durability, info)
+
+
 async def open_rank(
-    rank: int, conn: RankConn, config: dict, nodes: list[ObjectNode], durability: str
+    rank: int,
+    conn: RankConn,
+    config: dict,
+    nodes: list[ObjectNode],
+    durability: str,
+    info: dict | None = None,
 ) -> Rank:
     """What a rank process does to open the volume through its agent (rank.agent_volume),
-    once connected and given the volume's config: ask the agent's staging directory and
-    stage there. Closes `conn` on failure."""
+    once connected and given the volume's config: stage in the agent's staging directory
+    (`info`: the agent's, asked when not given). Closes `conn` on failure."""
     try:
-        info = await conn.call("agent_info")
+        if info is None:
+            info = await conn.call("agent_info")
         eng = RankEngine(conn)
         vol = Volume(eng, config, nodes=nodes, workers=1)  # type: ignore[arg-type]
         vol.agent = conn.path
         vol.sink._lease = lambda _ids: None  # type: ignore[method-assign]  # (docstring)
         if info.get("tier") and info.get("staging_dir"):
             vol.tier = HostStager(
-                vol.store, info["staging_dir"], AgentLink(eng), durability=durability
+                vol.store,
+                info["staging_dir"],
+                AgentLink(eng),
+                durability=durability,
+                size=info.get("budget"),
             )
     except BaseException:
         conn.close()
@@ -267,6 +298,15 @@ def add_timings(into: Timings, more: Timings, suffix: str = " (rank thread-s)") 
 
 
 # -- a simulated host's ranks, each through its agent ------------------------------------
+def freeze_heap() -> None:
+    """Keep the collector off what the worker holds already (gc.freeze): the ranks' Volumes,
+    stagers and connections, and the shards' seeds and digests. A rank process holds one
+    rank's; a worker holds a thousand ranks', and each collection of the older generations
+    walked all of them: 46% of a worker's CPU in a run through agents (py-spy --gil).
+    Called as a phase starts; what a phase leaves is frozen at the next (cheap: a splice)."""
+    gc.freeze()
+
+
 def rank_token(url: str) -> str:
     """The credential a rank's hello carries: the host's service URL's token."""
     from metadata.wire.url import parse_url, resolve_token
@@ -306,15 +346,7 @@ async def open_ranks(st_cfg: dict, host: Any, nodes: NodesOnce) -> None:
     opened: dict[int, Rank] = {}
 
     async def one(rank: int) -> None:
-        conn = RankConn(path, token)
-        await conn.open()
-        try:
-            config = await conn.call("get_config")
-            rk = await open_rank(rank, conn, config, nodes(config), st_cfg["durability"])
-        except BaseException:
-            conn.close()
-            raise
-        opened[rank] = rk
+        opened[rank] = await connect_rank(rank, path, token, nodes, st_cfg["durability"])
 
     try:
         async with trio.open_nursery() as n:
@@ -325,6 +357,7 @@ async def open_ranks(st_cfg: dict, host: Any, nodes: NodesOnce) -> None:
             rk.close()
         raise
     host.clients = opened
+    freeze_heap()
 
 
 def close_ranks(host: Any) -> None:
@@ -340,6 +373,7 @@ async def save_host(st: Any, host: Any, step: int, start: float, out: list, info
     """Every rank of one host at once: its shard generated, hashed, staged through its own
     stager and adopted, then its commit_rank sent on its own connection (the agent groups
     the host's commits into commit_ranks)."""
+    freeze_heap()
     cfg = st.cfg
     victim = cfg["kill_rank"][1] if cfg["kill_rank"] and cfg["kill_rank"][0] == step else None
     slow = set(cfg["slow_ranks"])
@@ -434,6 +468,7 @@ async def _read_rank(
 async def load_host(st: Any, host: Any, step: int, start: float, out: list, info: list) -> None:
     """Every rank of one host at once: its manifest asked on its own connection (the agent
     sends the host's as one manifest(ranks=[...])), its shard read and verified."""
+    freeze_heap()
     phases: Timings = {}
     began = time.time()
     ends: list[float] = []
@@ -456,6 +491,7 @@ async def resume_host(st: Any, host: Any, _s: int, start: float, out: list, info
     clock): the old ranks' connections and stagers closed, then every rank at once
     connecting to the agent afresh, asking its part of the latest durable step's manifest
     and reading its shard."""
+    freeze_heap()
     from bench.harness_worker import _load_rec
 
     cfg = st.cfg
@@ -470,13 +506,9 @@ async def resume_host(st: Any, host: Any, _s: int, start: float, out: list, info
 
     async def one(rank: int) -> None:
         t = time.perf_counter()
-        conn = RankConn(path, token)
         try:
-            await conn.open()
-            config = await conn.call("get_config")
-            rk = await open_rank(rank, conn, config, st.nodes(config), cfg["durability"])
+            rk = await connect_rank(rank, path, token, st.nodes, cfg["durability"])
         except Exception as e:
-            conn.close()
             out.append(_load_rec(host, rank, start, error=f"reconnecting: {e}"))
             return
         host.clients[rank] = rk

@@ -725,3 +725,40 @@ def test_a_mount_with_agent_serves_the_hosts_ranks(tmp_path, mount_env, mount_fa
             time.sleep(0.2)
     m.unmount()
     assert not os.path.exists(sock)
+
+
+def test_a_burst_of_hellos_is_set_up_in_one_round_trip_and_checked_once(service, tmp_path):
+    """A restarted job's ranks say hello at once with the same token: the agent asks the
+    service about it once, and each hello that asks gets the volume's config and the
+    agent's info in its answer (no get_config, no agent_info round trips). A wrong token in
+    the same burst is refused and gets neither."""
+    vol, svc = service
+    agent = AgentProc(svc.url, _env(), str(tmp_path / "agent.log"))
+    try:
+        token = open(svc.token_file).read().strip()
+        want = {"proto": PROTO_VERSION, "token": token, "want": ["config", "info"]}
+        said: list[dict] = [{} for _ in range(24)]
+
+        def one(i: int) -> None:
+            said[i] = _hello(agent.socket, want if i else {**want, "token": "ckt_nope"})
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(said))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        refused, good = said[0], said[1:]
+        assert refused["ok"] is False and refused["errno"] == errno.EACCES, refused
+        assert "config" not in refused and "info" not in refused
+        uuid = Volume.open(vol).config["uuid"]
+        for s in good:
+            assert s["ok"] is True, s
+            assert s["config"]["uuid"] == uuid and s["info"]["staging_dir"], s
+            assert s["info"]["budget"] > 0, s
+        plain = _hello(agent.socket, {"proto": PROTO_VERSION, "token": token})
+        assert plain["ok"] is True and "config" not in plain  # not asked: not sent
+        stats = agent_call(agent.socket, svc.url, "agent_stats")
+        assert stats["ranks_served"] == len(good) + 2, stats  # and agent_call's own
+        assert stats["token_checks"] == 2, stats  # the good token once, the bad one once
+    finally:
+        assert agent.signal(signal.SIGTERM) == 0

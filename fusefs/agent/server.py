@@ -149,6 +149,9 @@ class Agent:
         self.batcher: Batcher | None = None
         self.limiter = trio.CapacityLimiter(THREADS)
         self._tokens: dict[str, float] = {}  # verified token -> until when
+        # token being checked -> (set when done, [its refusal or None]): one ping for a
+        # burst of hellos with the same token (a restarted job's ranks), not one each
+        self._verifying: dict[str, tuple[trio.Event, list]] = {}
         self._accepting = trio.CancelScope()
         self._conns = trio.CancelScope()
         self._idle = trio.Event()
@@ -161,6 +164,7 @@ class Agent:
             "ranks_served": 0,  # connections that said a good hello
             "refused_peer": 0,
             "refused_hello": 0,
+            "token_checks": 0,  # pings sent to check hellos' tokens (one per burst)
             "requests": 0,
         }
 
@@ -262,7 +266,14 @@ class Agent:
                 log.warning("refused rank pid %d: %s", pid, err)
                 await _refuse(stream, code, err)
                 return None
-        await stream.send_all(encode_frame({"ok": True, "proto": PROTO_VERSION}))
+        answer: dict[str, Any] = {"ok": True, "proto": PROTO_VERSION}
+        want = hello.get("want")
+        if isinstance(want, list):  # the session's set-up in this one round trip (rank.py)
+            if "config" in want:
+                answer["config"] = self.config
+            if "info" in want:
+                answer["info"] = await self.agent_info()
+        await stream.send_all(encode_frame(answer))
         return token or "", [bytes(f) for f in frames[1:]]
 
     async def _verify(self, token: Any) -> tuple[int, str] | None:
@@ -274,6 +285,22 @@ class Agent:
             return errno.EACCES, why
         if self._tokens.get(token, 0.0) > time.monotonic():
             return None
+        asking = self._verifying.get(token)
+        if asking is not None:  # a hello with this token is being checked: its answer serves
+            await asking[0].wait()
+            return asking[1][0]
+        done, outcome = trio.Event(), [(errno.EIO, "the check of the rank's token was cut short")]
+        self._verifying[token] = (done, outcome)
+        try:
+            outcome[0] = await self._ping(token)
+        finally:
+            del self._verifying[token]
+            done.set()
+        return outcome[0]
+
+    async def _ping(self, token: str) -> tuple[int, str] | None:
+        """Ask the service about the token once (_verify); remember it when it is good."""
+        self.stats["token_checks"] += 1
         try:
             await self.upstream.call(token, "ping", [], {})
         except MetaError as e:
@@ -376,6 +403,7 @@ class Agent:
             "staging_dir": self.staging_dir,
             "durability": self.durability,
             "tier": self.vol.tier is not None,
+            "budget": getattr(self.vol.tier, "budget", None),  # the staging size (stager.py)
             "settings": {
                 "chunk_size": s.chunk_size, "chunking": s.chunking,
                 "compression": s.compression, "cdc_min": s.cdc_min, "cdc_max": s.cdc_max,
