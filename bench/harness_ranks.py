@@ -56,6 +56,7 @@ from metadata.wire.protocol import (
 
 THREADS = 96  # rank threads of one worker process at once (staging, reading): most wait
 CONNECT_TIMEOUT = 30.0  # seconds a rank's connect and hello may take
+GC_YOUNG = 70_000  # allocations between young collections in a worker (freeze_heap)
 ANSWER_TIMEOUT = 600.0  # ... an answer (an adopt waits for staging room; the phase bounds it)
 
 
@@ -303,8 +304,13 @@ def freeze_heap() -> None:
     stagers and connections, and the shards' seeds and digests. A rank process holds one
     rank's; a worker holds a thousand ranks', and each collection of the older generations
     walked all of them: 46% of a worker's CPU in a run through agents (py-spy --gil).
-    Called as a phase starts; what a phase leaves is frozen at the next (cheap: a splice)."""
+    Called as a phase starts; what a phase leaves is frozen at the next (cheap: a splice).
+    The youngest generation's threshold is scaled the same way (a rank process collects
+    after 700 of its own allocations; a worker's thousand ranks allocate together, and the
+    phase's live tasks were walked again at each collection of the older generations)."""
     gc.freeze()
+    if gc.get_threshold()[0] < GC_YOUNG:
+        gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
 
 
 def rank_token(url: str) -> str:

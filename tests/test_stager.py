@@ -578,3 +578,38 @@ def test_a_rank_killed_between_rename_and_adopt_leaves_a_file_the_agent_adopts(
             raw = bytes([s + 1]) * 300_000
             assert vol.store.get(chunk_id(raw, vol.seed)) == raw
         assert not _staged(tier.root)
+
+
+def test_a_read_asks_the_agent_once_for_all_the_chunks_its_host_lacks(vol_path, agent):
+    """read_whole of a file whose chunks left the host (uploaded, evicted): one fetch of
+    them all, then each read from the host cache; with the agent failing, one try and the
+    rank reads the nodes itself (no fetch per chunk)."""
+    from fusefs.client.batch import read_whole
+
+    rank, stager = _stager(vol_path, agent)
+    try:
+        data = _data(4 * MiB + 300_000, 70)  # five chunks, none small enough to be inline
+        rank.write_file("/f", data)
+        stager.flush(timeout=60)
+        agent.tier.cache.evict(10**12)
+        extents = rank.meta.get_extents(rank.resolve("/f").ino)
+        assert len(extents) == 5
+        link = stager.link
+        before = stager.fetches
+        assert bytes(read_whole(rank, extents, len(data))) == data
+        assert stager.fetches == before + 1  # one request for the five
+        assert sorted(link.fetched[-5:]) == sorted(e.chunk_id for e in extents)
+        assert bytes(read_whole(rank, extents, len(data))) == data  # now local: no request
+        assert stager.fetches == before + 1
+
+        class Gone(DirectLink):
+            def fetch(self, ids):
+                self.fetched += ids
+                raise ConnectionError("agent gone")
+
+        stager.link = gone = Gone(agent.tier)
+        agent.tier.cache.evict(10**12)
+        assert bytes(read_whole(rank, extents, len(data))) == data
+        assert len(gone.fetched) == 5 and stager.direct_reads == 5  # asked once, then nodes
+    finally:
+        rank.close()

@@ -48,6 +48,7 @@ from chunkstore.tier.tier import (
 )
 
 log = logging.getLogger("ckptfs.tier")
+SKIP_AGENT_S = 10.0  # seconds a failed prefetch sends a reader's misses to the nodes
 
 
 class AgentLink(Protocol):
@@ -102,6 +103,7 @@ class HostStager(StagingReads):
         self._unsynced: dict[bytes, tuple[str, int, int | None]] = {}
         self._closed = False
         self._last_mark = 0.0
+        self._skip_agent_until = 0.0  # a prefetch found the agent failing: until then, nodes
         self.adopted_chunks = 0  # acknowledged by the agent
         self.adopted_bytes = 0
         self.fetches = 0  # misses the agent was asked to fetch
@@ -219,7 +221,7 @@ class HostStager(StagingReads):
         that does not verify is dropped by the read and asked for once more; the nodes are
         read directly when the agent cannot be asked or had no room to cache it."""
         self.cache.misses += 1
-        for _ in range(2):
+        for _ in range(0 if time.monotonic() < self._skip_agent_until else 2):
             self.fetches += 1
             try:
                 self.link.fetch([cid])
@@ -235,6 +237,27 @@ class HostStager(StagingReads):
                 return raw
         self.direct_reads += 1
         return self.store.get(cid)
+
+    def prefetch(self, ids: list[bytes]) -> None:
+        """Ask the agent once to bring these chunks into the host cache (a reader about to
+        `get` each of them: one round trip, not one per chunk). Best effort: a chunk it
+        could not bring is fetched, or found unavailable, by its own `get` as before."""
+        ids = [
+            cid
+            for cid in dict.fromkeys(ids)
+            if not os.path.exists(os.path.join(self.staged_dir, cid.hex()))
+            and not os.path.exists(self.cache.path(cid))
+        ]
+        if len(ids) < 2:  # none, or one: its own get asks for it, as it would have
+            return
+        self.fetches += 1
+        try:
+            self.link.fetch(ids)
+        except ChunkUnavailable:  # the others were fetched; that one's own get decides
+            pass
+        except Exception as e:  # the agent is gone or failing: these read the nodes
+            log.warning("agent fetch of %d chunks failed (%s): reading the nodes", len(ids), e)
+            self._skip_agent_until = time.monotonic() + SKIP_AGENT_S
 
     # -- the rest of the tier's surface ---------------------------------------------------
     def flush(

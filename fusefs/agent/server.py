@@ -22,6 +22,7 @@ staged for the next agent.
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import os
 import socket
@@ -171,6 +172,9 @@ class Agent:
     # -- lifecycle ------------------------------------------------------------------------
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         listener = bind_socket(self.path)
+        # What the agent opened lives as long as it does (the volume, the tier's journal and
+        # index): out of the collector's walks, which every rank's requests trigger.
+        gc.freeze()
         try:
             async with trio.open_nursery() as nursery:
                 self.batcher = Batcher(nursery, self.upstream.call)

@@ -121,7 +121,9 @@ def stage_files(
 
 def read_whole(vol: Volume, extents: list[Extent], size: int, *, nowait: bool = False) -> bytearray:
     """A file's bytes (holes read as zeros): chunks the host tier holds raw are read straight
-    into the buffer (Volume.read_chunk_into); the rest come verified from fetch_chunk.
+    into the buffer (Volume.read_chunk_into); the rest come verified from fetch_chunk, after
+    one request to bring them all to the host (a HostStager's `prefetch`: its agent fills
+    the host cache with them at once, not one round trip per chunk).
     nowait=True: only from memory, else BlockingIOError (a chunk on the disk or elsewhere)."""
     buf = bytearray(size)
     mv = memoryview(buf)
@@ -131,6 +133,11 @@ def read_whole(vol: Volume, extents: list[Extent], size: int, *, nowait: bool = 
         for i, (cid, off, n) in enumerate(whole):
             if vol.read_chunk_into(cid, [mv[off : off + n]], nowait=nowait):
                 done.add(i)
+    prefetch = None if nowait else getattr(vol.tier, "prefetch", None)
+    if prefetch is not None and len(extents) - len(done) > 1:  # one request for them all
+        prefetch(  # (not a maybe-inline chunk: no node holds one; fetch_chunk asks the meta)
+            [e.chunk_id for i, e in enumerate(extents) if i not in done and not ext.maybe_inline(e)]
+        )
     for i, e in enumerate(extents):
         if i in done:
             continue
