@@ -762,3 +762,65 @@ def test_a_burst_of_hellos_is_set_up_in_one_round_trip_and_checked_once(service,
         assert stats["token_checks"] == 2, stats  # the good token once, the bad one once
     finally:
         assert agent.signal(signal.SIGTERM) == 0
+
+
+def test_the_upstream_sends_what_queued_meanwhile_in_one_write():
+    """RemoteUpstream: one sender thread; the requests queued while it sends go in its next
+    submit together, each caller gets its own answer (or the error), and after close a
+    call is refused."""
+    from concurrent.futures import Future
+
+    import trio
+
+    from fusefs.agent.upstream import RemoteUpstream
+
+    class Engine:
+        def __init__(self) -> None:
+            self.batches: list[list[str]] = []
+            self.first = threading.Event()
+            self.release = threading.Event()
+
+        def encode_many(self, calls, *, token=None, keys=None):
+            ((method, args, _kw),) = calls
+            return [(0, method, (token, args[0]))]
+
+        def submit_encoded(self, encoded):
+            self.batches.append([e[2][1] for e in encoded])
+            if len(self.batches) == 1:
+                self.first.set()
+                self.release.wait(10)
+            if any(e[1] == "fail" for e in encoded):
+                raise MetaError(errno.ECONNRESET, "gone")
+            out = []
+            for _rid, _m, (token, arg) in encoded:
+                f: Future = Future()
+                f.set_result(f"{token}:{arg}")
+                out.append(f)
+            return out
+
+    eng = Engine()
+    up = RemoteUpstream(eng)
+    got: dict[int, str] = {}
+
+    async def main() -> None:
+        async def one(i: int) -> None:
+            got[i] = await up.call(f"t{i}", "ping", [i], {})
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one, 0)
+            await trio.to_thread.run_sync(eng.first.wait, 10)  # the first is being sent
+            for i in range(1, 41):
+                n.start_soon(one, i)
+            await trio.sleep(0.2)
+            eng.release.set()
+        with pytest.raises(MetaError) as e:
+            await up.call("t", "fail", ["x"], {})
+        assert e.value.errno == errno.ECONNRESET
+
+    trio.run(main)
+    assert got == {i: f"t{i}:{i}" for i in range(41)}
+    assert [len(b) for b in eng.batches] == [1, 40, 1], eng.batches
+    up.close()
+    with pytest.raises(MetaError) as e:
+        trio.run(up.call, "t", "ping", [1], {})
+    assert e.value.errno == errno.EBADF

@@ -186,6 +186,7 @@ class Agent:
         finally:
             listener.close()
             _remove_socket(self.path)
+            self.upstream.close()
 
     async def shutdown(self, drain: float = DRAIN_S) -> None:
         """Stop accepting, wait (up to `drain` s) for the requests in flight, close."""
