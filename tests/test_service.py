@@ -23,6 +23,7 @@ from metadata.wire.protocol import (
     PROTO_VERSION,
     FrameDecoder,
     ProtocolError,
+    decode,
     encode,
     encode_frame,
     parse_request,
@@ -586,6 +587,57 @@ def test_group_commit_answers_every_rank_when_acknowledging_fails():
         return errors
 
     assert trio.run(main) == [errno.EIO] * 5
+
+
+def test_a_group_commits_answers_go_out_in_one_write_per_connection():
+    """Answers sent inside `corked()` (a group commit's acknowledgement) queue for the
+    connection's writer, which writes them together, in order, once the loop moves on;
+    outside it an answer is written at once."""
+    import trio
+    import trio.testing
+
+    from metadata.server.conn import Conn, SocketLink, corked
+
+    writes: list[str] = []
+
+    class Counted(SocketLink):
+        def try_send(self, parts: list[bytes]) -> int:
+            writes.append("now")
+            return super().try_send(parts)
+
+        async def send_all(self, data: bytes | memoryview) -> None:
+            writes.append("writer")
+            await super().send_all(data)
+
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            conn = Conn(Counted(ours))
+            conn.nursery = nursery
+            conn.inflight = 101
+            with corked():
+                for rid in range(100):
+                    conn.reply(rid, {"rank": rid}, None, "commit_rank")
+            assert writes == []  # nothing written inside
+            await trio.testing.wait_all_tasks_blocked()
+            assert writes == ["writer"]
+            conn.reply(100, {"rank": 100}, None, "commit_rank")
+            assert writes == ["writer", "now"]
+
+    trio.run(main)
+    theirs.settimeout(5)
+    data = b""
+    dec = FrameDecoder()
+    got: list = []
+    while len(got) < 101:
+        data = theirs.recv(1 << 20)
+        assert data
+        got += [decode(f) for f in dec.feed(data)]
+    assert [m[0] for m in got] == list(range(101))
+    ours.close()
+    theirs.close()
 
 
 def test_read_batches_share_identical_calls_and_never_a_running_read():

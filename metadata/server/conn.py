@@ -23,6 +23,8 @@ import errno
 import logging
 import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
@@ -185,7 +187,7 @@ class Conn:
         if self.closed:
             return
         parts = [HEADER.pack(len(body)), body]
-        if not self.out and not self._writing:
+        if not self.out and not self._writing and not _corked:
             n = self.link.try_send(parts)
             if n == 4 + len(body):
                 return
@@ -277,6 +279,22 @@ class Conn:
         self.send(body)
         if not self.full:
             self.drained.set()
+
+
+_corked: list[bool] = []  # inside `corked()`: answers queue for the writer task
+
+
+@contextmanager
+def corked() -> Iterator[None]:
+    """Answers sent meanwhile (on the loop) queue for their connection's writer task,
+    which writes each connection's in one go once the loop moves on. A group commit
+    answers up to 2048 ranks in one callback: a sendmsg each was ~60% of that callback
+    and woke the client's process once per answer, on the publish's critical path."""
+    _corked.append(True)
+    try:
+        yield
+    finally:
+        _corked.pop()
 
 
 def _error_reply(method: str, e: BaseException) -> tuple[int, str]:

@@ -69,7 +69,7 @@ from metadata.server.access import (
     with_domain,
 )
 from metadata.server.commitranks import submit_ranks
-from metadata.server.conn import Budget, Conn, Link, SocketLink, StreamLink
+from metadata.server.conn import Budget, Conn, Link, SocketLink, StreamLink, corked
 from metadata.server.groupcommit import GroupCommit
 from metadata.server.manifests import encode_manifest, manifest_answer
 from metadata.server.readbatch import ReadBatcher
@@ -794,6 +794,10 @@ class MetaService:
     # -- group commit ------------------------------------------------------------
     def _acknowledge(self, batch: list, results: list) -> None:
         """A written group commit (on the loop): answers, terminal states, manifests."""
+        with corked():  # one write per connection, not one per rank (conn.py)
+            self._answer_batch(batch, results)
+
+    def _answer_batch(self, batch: list, results: list) -> None:
         encoded: dict[int, msgspec.Raw] = {}  # ranks of a step share one answer object
         self.counters.batch(len(batch))
         for (item, slot), res in zip(batch, results, strict=True):
