@@ -590,9 +590,10 @@ def test_group_commit_answers_every_rank_when_acknowledging_fails():
 
 
 def test_a_group_commits_answers_go_out_in_one_write_per_connection():
-    """Answers sent inside `corked()` (a group commit's acknowledgement) queue for the
-    connection's writer, which writes them together, in order, once the loop moves on;
-    outside it an answer is written at once."""
+    """Answers sent inside `corked()` (a group commit's acknowledgement) are written
+    together, in order, when it ends: one sendmsg of at most 1024 pieces (512 answers)
+    each; what the kernel does not take goes to the writer task. Outside it an answer is
+    written at once."""
     import trio
     import trio.testing
 
@@ -616,26 +617,37 @@ def test_a_group_commits_answers_go_out_in_one_write_per_connection():
         async with trio.open_nursery() as nursery:
             conn = Conn(Counted(ours))
             conn.nursery = nursery
-            conn.inflight = 101
+            conn.inflight = 2101
             with corked():
-                for rid in range(100):
+                for rid in range(1100):
                     conn.reply(rid, {"rank": rid}, None, "commit_rank")
-            assert writes == []  # nothing written inside
-            await trio.testing.wait_all_tasks_blocked()
-            assert writes == ["writer"]
-            conn.reply(100, {"rank": 100}, None, "commit_rank")
-            assert writes == ["writer", "now"]
+                assert writes == []  # nothing written inside
+            assert writes == ["now"] * 3  # 512 + 512 + 76 answers
+            assert not conn.out and conn.out_bytes == 0
+            conn.reply(1100, {"rank": 1100}, None, "commit_rank")
+            assert writes == ["now"] * 4
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # the kernel takes part
+            with corked():
+                for rid in range(1101, 2101):
+                    conn.reply(rid, {"rank": rid, "pad": b"x" * 4096}, None, "commit_rank")
+            assert writes[-1] == "now" and conn.out  # the rest queued for the writer
+            while conn.out or conn.out_bytes:
+                data = theirs.recv(1 << 20)
+                got.extend(decode(f) for f in dec.feed(data))
+                await trio.sleep(0.001)
+            assert "writer" in writes
 
-    trio.run(main)
-    theirs.settimeout(5)
-    data = b""
     dec = FrameDecoder()
     got: list = []
-    while len(got) < 101:
+    theirs.setblocking(False)
+    trio.run(main)
+    theirs.setblocking(True)
+    theirs.settimeout(5)
+    while len(got) < 2101:
         data = theirs.recv(1 << 20)
         assert data
         got += [decode(f) for f in dec.feed(data)]
-    assert [m[0] for m in got] == list(range(101))
+    assert [m[0] for m in got] == list(range(2101))
     ours.close()
     theirs.close()
 
