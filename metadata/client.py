@@ -1,14 +1,14 @@
 """The network client: a MetaEngine whose methods are RPCs to `ckptfs meta serve`.
 
-Sync and thread-safe, for worker threads and DCP ranks. One TCP connection
-per client carries pipelined requests from any number of threads; an I/O
-thread owns reading and reconnecting. A client that only makes plain calls
-(a rank of a restarted job: connect, resolve, go) reads each answer on the
-calling thread instead, and starts the I/O thread only when something needs
-it: a pipelined submit, an answer slower than DIRECT_WAIT, a broken
-connection, TLS. For a connect, one call and a close the thread and the hand-off
-of every answer between two threads were over half of the client's CPU (its
-restart cost: thousands of ranks at once).
+Sync and thread-safe, for worker threads and DCP ranks. One TCP connection per client
+carries pipelined requests from any number of threads; an I/O thread owns reading and
+reconnecting. A client that only makes plain calls (a rank of a restarted job: connect,
+resolve, go) reads each answer on the calling thread instead, and starts the I/O thread
+only when something needs it: a pipelined submit, an answer slower than DIRECT_WAIT, a
+broken connection, TLS. For a connect, one call and a close the thread and the hand-off
+of every answer between two threads were over half of the client's CPU (its restart
+cost: thousands of ranks at once). `want=` asks a peer that knows it (a host's agent) for
+more in the hello's answer, kept as `hello_answer` (the session's set-up in one round trip).
 
 Replicas and failover. A URL may list several service replicas (sharing one
 PostgreSQL database). The client talks to one at a time. Connection attempts
@@ -67,12 +67,7 @@ from metadata.wire.protocol import (
     encode_frame,
 )
 from metadata.wire.tls import TlsSocket, client_context, describe_tls_error
-from metadata.wire.url import (
-    UNREACHABLE,
-    check_retry,
-    parse_url,
-    resolve_token,
-)
+from metadata.wire.url import UNREACHABLE, check_retry, parse_url, resolve_token
 
 log = logging.getLogger("ckptfs.meta")
 
@@ -193,6 +188,7 @@ class RemoteEngine(MetaEngine):
         retry_for: float = DEFAULT_RETRY,
         max_frame: int = MAX_FRAME,
         tls: ssl.SSLContext | None = None,
+        want: tuple[str, ...] = (),
     ) -> None:
         if not replicas or not all(
             isinstance(h, str) and h and isinstance(p, int) for h, p in replicas
@@ -202,6 +198,8 @@ class RemoteEngine(MetaEngine):
         self._at = 0  # the replica of the current (or last) connection
         self.tls = tls
         self._token = token
+        self._want = {"want": list(want)} if want else {}  # sent in every hello (docstring)
+        self.hello_answer: dict = {}  # the current connection's hello answer
         self.retry_for = check_retry(retry_for)
         self.max_frame = max_frame
         self._lock = threading.Lock()  # pending map and connection state
@@ -306,7 +304,7 @@ class RemoteEngine(MetaEngine):
             delay = min(delay * 2, BACKOFF_MAX)
 
     def _hello(self) -> bytes:
-        return encode_frame({"proto": PROTO_VERSION, "token": self._token})
+        return encode_frame({"proto": PROTO_VERSION, "token": self._token, **self._want})
 
     def _race(self, order: list[int], errors: dict[int, str]) -> tuple[int, socket.socket] | None:
         """Connection attempts to the replicas in `order`, raced (happy eyeballs): the next
@@ -357,6 +355,7 @@ class RemoteEngine(MetaEngine):
                         live.remove(a)
                         for other in live:  # still opening: slower than the winner
                             errors[other.i] = f"no hello in {now - other.started:.2f} s"
+                        self.hello_answer = a.answer
                         return a.i, a.result
         finally:
             for a in live:
@@ -451,7 +450,7 @@ class RemoteEngine(MetaEngine):
                         f"service closed the connection during the handshake{hint}"
                     )
                 frames = dec.feed(data)
-            check_hello(frames[0])
+            self.hello_answer = check_hello(frames[0])  # replicas answer alike (one database)
             sock.settimeout(None)
             if frames[1:]:
                 raise ProtocolError("unexpected frames after the handshake")

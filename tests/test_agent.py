@@ -824,3 +824,40 @@ def test_the_upstream_sends_what_queued_meanwhile_in_one_write():
     with pytest.raises(MetaError) as e:
         trio.run(up.call, "t", "ping", [1], {})
     assert e.value.errno == errno.EBADF
+
+
+@pytest.mark.parametrize("older", [False, True])
+def test_a_rank_process_sets_up_its_session_in_one_hello(service, tmp_path, monkeypatch, older):
+    """A rank process (registry.py -> rank.agent_volume) asks for the volume's config and
+    the agent's info in its hello: the agent sees the hello and no request for its set-up.
+    Against an agent whose answer leaves them out (an older one: simulated by dropping
+    them from the answer as the rank reads it), it asks get_config and agent_info."""
+    from chunkstore.tier.stager import HostStager
+    from fusefs.agent import rank
+    from metadata.wire import dial
+
+    vol, svc = service
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    agent = AgentProc(svc.url, _env(XDG_RUNTIME_DIR=str(run)), str(tmp_path / "agent.log"))
+    try:
+        if older:
+            plain = dial.check_hello
+            monkeypatch.setattr(
+                dial, "check_hello", lambda b: {k: v for k, v in plain(b).items() if k == "ok"}
+            )
+        before = agent_call(agent.socket, svc.url, "agent_stats")
+        monkeypatch.setenv("CKPTFS_AGENT_SOCKET", agent.socket)
+        v = rank.agent_volume(svc.url, (None, "local", None))
+        assert v is not None and v.agent == agent.socket
+        try:
+            assert v.config["uuid"] == Volume.open(vol).config["uuid"]
+            assert isinstance(v.tier, HostStager) and v.tier.budget > 0
+        finally:
+            v.close()
+        after = agent_call(agent.socket, svc.url, "agent_stats")
+        assert after["ranks_served"] - before["ranks_served"] == 2, after  # v's, agent_call's
+        # before's agent_stats was counted in it; after's own is the 1
+        assert after["requests"] - before["requests"] == 1 + (2 if older else 0), after
+    finally:
+        agent.signal(signal.SIGTERM)

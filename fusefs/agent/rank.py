@@ -3,7 +3,9 @@
 `agent_volume(spec, ...)` (called by fusefs.client.registry for every frontend) looks for
 the volume's agent on its well-known socket (paths.py). When one answers, the Volume's
 engine is a RemoteEngine over that socket (the same client and protocol as the service's,
-its hello carrying the rank's own token), and its tier is the host stager over the agent's
+its hello carrying the rank's own token and asking for the volume's config and the agent's
+info in its answer: the session's set-up in one round trip, or three with an agent that
+does not know `want`), and its tier is the host stager over the agent's
 staging directory when the data plane is there (chunkstore.tier.stager: the rank hashes
 and stages chunk files itself, on its own cores, and tells the agent to adopt them; only
 control crosses the socket). The rank then opens no service connection and starts no
@@ -67,7 +69,7 @@ def connect_agent(spec: str, token: str | None = None) -> Any | None:
         return None
     tok = _rank_token(spec, token)
     try:
-        eng = RemoteEngine([(path, 0)], tok, retry_for=0)
+        eng = RemoteEngine([(path, 0)], tok, retry_for=0, want=("config", "info"))
     except MetaError as e:
         if e.errno in (errno.EACCES, errno.EPROTO):  # the agent refused us: say why
             raise MetaError(e.errno, f"ckptfs agent at {path}: {e}") from None
@@ -119,7 +121,8 @@ def agent_volume(spec: str, tier: Any = None, *, token: str | None = None, worke
     from fusefs.client.volume import Volume
 
     try:
-        vol = Volume(eng, eng.get_config(), workers=workers)
+        config = eng.hello_answer.get("config")  # an older agent leaves it out: ask
+        vol = Volume(eng, config if isinstance(config, dict) else eng.get_config(), workers=workers)
         vol.agent = eng.replicas[0][0]
         if tier is not None:
             _attach_stager(vol, eng, tier)
@@ -137,7 +140,16 @@ def _attach_stager(vol: Any, eng: Any, tier: Any) -> None:
         from chunkstore.tier.stager import HostStager
     except ImportError:
         return
-    info = eng.call("agent_info")
+    info = eng.hello_answer.get("info")  # an older agent leaves it out: ask
+    if not isinstance(info, dict):
+        info = eng.call("agent_info")
     if not info.get("tier") or not info.get("staging_dir"):
         return
-    vol.tier = HostStager(vol.store, info["staging_dir"], AgentLink(eng), durability=tier[1])
+    budget = info.get("budget")  # the agent's staging size: no statvfs here (stager.py)
+    vol.tier = HostStager(
+        vol.store,
+        info["staging_dir"],
+        AgentLink(eng),
+        durability=tier[1],
+        size=budget if isinstance(budget, int) and budget > 0 else None,
+    )

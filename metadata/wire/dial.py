@@ -37,20 +37,23 @@ def keepalive(sock: socket.socket) -> None:
         pass
 
 
-def check_hello(body: bytes | memoryview) -> None:
-    """The service's answer to our hello: accepted, or MetaError with its reason."""
+def check_hello(body: bytes | memoryview) -> dict:
+    """The service's answer to our hello: accepted (the answer, which carries what the
+    hello's `want` asked of a peer that knows it: an agent's config and info, rank.py),
+    or MetaError with its reason."""
     reply = decode(body)
     if not isinstance(reply, dict) or not reply.get("ok"):
         err = reply.get("errno", errno.EPROTO) if isinstance(reply, dict) else errno.EPROTO
         msg = reply.get("error", "handshake refused") if isinstance(reply, dict) else "?"
         raise MetaError(err, f"metadata service refused the connection: {msg}")
+    return reply
 
 
 class Attempt:
     """One plain-TCP connection attempt to replica `i` (RemoteEngine._race): a
     non-blocking connect, then the hello and its answer, each step on a poll event.
-    Ends with `result` (a blocking socket, handshake done) or `error` (MetaError,
-    worded as `_open` words it)."""
+    Ends with `result` (a blocking socket, handshake done, and `answer`, the hello's
+    answer) or `error` (MetaError, worded as `_open` words it)."""
 
     def __init__(self, eng: RemoteEngine, i: int, hello: bytes, now: float) -> None:
         self.i = i
@@ -63,6 +66,7 @@ class Attempt:
         self.connected = False
         self.hello_sent = False
         self.result: socket.socket | None = None
+        self.answer: dict = {}
         self.error: MetaError | None = None
         host, port = eng.replicas[i]
         if host.startswith("/"):  # a Unix socket (a host's ckptfs agent: fusefs/agent)
@@ -150,7 +154,7 @@ class Attempt:
             frames = self.dec.feed(data)
             if not frames:
                 return
-            check_hello(frames[0])
+            self.answer = check_hello(frames[0])
             if frames[1:]:
                 raise ProtocolError("unexpected frames after the handshake")
         except MetaError as e:
