@@ -861,3 +861,54 @@ def test_a_rank_process_sets_up_its_session_in_one_hello(service, tmp_path, monk
         assert after["requests"] - before["requests"] == 1 + (2 if older else 0), after
     finally:
         agent.signal(signal.SIGTERM)
+
+
+def test_a_restarts_manifests_by_the_remembered_latest_step_group_and_stay_per_token():
+    """Ranks asking manifest(job, None) a few ms apart (a restart's connects trickle in):
+    the first asks by None, the next by the step its answer named, grouped in the burst
+    window, each rank its own files. Another token asks by None itself; a commit through
+    the agent forgets the number; a remembered step that is gone is asked again by None."""
+    import trio
+
+    up = _Upstream(True)
+    got: dict = {}
+    gone: set[int] = set()
+    plain = up.call
+
+    async def call(token, method, args, kwargs, key=None):
+        if method == "manifest" and args[1] in gone:
+            up.calls.append((token, method, args, kwargs, key))
+            raise MetaError(errno.ENOENT, f"no step {args[1]}")
+        return await plain(token, method, args, kwargs, key)
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            b = batch.Batcher(n, call)
+
+            async def ask(r: int, token: str = "t") -> None:
+                got[(token, r)] = await b.manifest(token, ["j", None], {"rank": r})
+
+            async with trio.open_nursery() as ranks:
+                for r in range(40):
+                    ranks.start_soon(ask, r)
+                    await trio.sleep(0.005)
+            got["stats"] = dict(b.stats)
+            await ask(0, "u")  # another token: not the first token's number
+            await b.commit_rank("t", b"k" * 16, ["j", 2, 0, []], {})
+            await ask(1)  # a commit through the agent: asked by None again
+            gone.add(1)
+            await ask(2)  # remembered 1, which is gone now: asked again by None
+
+    trio.run(main)
+    mans = [c for c in up.calls if c[1] == "manifest"]
+    first = [c for c in mans if c[0] == "t"][:40]
+    by_none = [c for c in first if c[2][1] is None]
+    assert 1 <= len(by_none) <= 3, by_none  # the first, and any asked before it returned
+    assert len({id(c) for c in first if c[2][1] == 1}) <= 12  # 40 ranks in a few groups
+    assert len([c for c in mans if c[0] == "t"]) <= 15, mans
+    assert all(got[("t", r)]["files"] == [{"rank": r, "path": f"f{r}"}] for r in range(40))
+    assert got["stats"]["latest_reused"] >= 30, got["stats"]
+    u = [c for c in mans if c[0] == "u"]
+    assert len(u) == 1 and u[0][2][1] is None
+    after = [c for c in mans if c[0] == "t"][-3:]  # ask(1) by None; ask(2) by 1, then None
+    assert [c[2][1] for c in after] == [None, 1, None], after

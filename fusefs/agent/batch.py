@@ -25,6 +25,20 @@ window made 8 ranks' saves slower than without the agent), and a burst groups as
 the service's pace lets pile up (256 harness ranks a host asking within a few ms: a 3 ms
 window grouped about 6 of them, and the service ran 1,500 queries a step).
 A group of one request sends it as it came (the rank's own key included).
+
+The latest durable step. A restarted job's ranks each ask `manifest(job, None)`; they
+reach the agent over a second or two (their connects wait on busy workers), so by what is
+in flight a group held 2-3 ranks, and for each the service read the job's latest durable
+step (a batched read, a thread hop) before answering from the step's encoding: 1,800
+requests for 4,096 ranks. The agent remembers the step number an answer named, per
+(token, job), for LATEST_TTL seconds, and asks the next ranks' manifests by that number
+(answered inline by the service) in a window (BURST_SETTLE after the last, BURST_MAX
+after the first): a rank asking the latest within a second of another is in a restart's
+burst (186 requests). Credentials are untouched: every request still goes upstream with
+the rank's own token and the service decides; only a step number is remembered, for the
+token it was answered to. The cost is staleness: a step made durable elsewhere is seen up
+to LATEST_TTL late (a commit or a flush through this agent forgets the job's number at
+once), and a step gone meanwhile is asked again by None.
 """
 
 from __future__ import annotations
@@ -45,6 +59,8 @@ SETTLE_MAX = 0.02
 RETRY_GROUPED = 300.0  # seconds before asking an old service for commit_ranks again
 MAX_IDS = 65536  # chunk ids in one merged missing_chunks
 MAX_RANKS = 2048  # ranks in one commit_ranks or manifest
+LATEST_TTL = 1.0  # seconds a (token, job)'s latest durable step number is reused
+BURST_SETTLE, BURST_MAX = 0.02, 0.05  # the window of the manifests asked by that number
 
 
 class _Item:
@@ -190,8 +206,12 @@ class Batcher:
         self.call = call
         self.commits = Window(nursery, self._flush_commits, cap=MAX_RANKS)
         self.manifests = Window(nursery, self._flush_manifests, cap=MAX_RANKS, inflight=1)
+        self.bursts = Window(
+            nursery, self._flush_manifests, cap=MAX_RANKS, settle=BURST_SETTLE, settle_max=BURST_MAX
+        )  # manifest(job, None) asked by the remembered step (module docstring)
         self.missing = Window(nursery, self._flush_missing, cap=MAX_IDS, size=len, inflight=1)
         self.no_grouped_until = 0.0  # the service said ENOSYS to commit_ranks: until then
+        self.latest: dict[tuple[str, str], tuple[int, float]] = {}  # (step, until): docstring
         self.stats = {
             "commit_groups": 0,  # commit_ranks requests sent
             "commits_grouped": 0,  # ranks' commits that went in them
@@ -200,13 +220,21 @@ class Batcher:
             "manifests_grouped": 0,
             "missing_groups": 0,
             "missing_merged": 0,
+            "latest_reused": 0,  # manifest(job, None) asked by the remembered step number
         }
+
+    def forget_latest(self, job: str | None = None) -> None:
+        """Drop the remembered latest durable steps (of `job`; None: all): a commit or a
+        flush through this agent may have made a newer one."""
+        for k in [k for k in self.latest if job is None or k[1] == job]:
+            del self.latest[k]
 
     # -- entry points (the agent's connections) -------------------------------------------
     async def commit_rank(self, token: str, key: bytes | None, args: list, kwargs: dict) -> Any:
         job, step, rank, files, host = _commit_fields(args, kwargs)
         if not isinstance(job, str) or not _is_int(step) or not _is_int(rank):
             return await self._single(token, key, args, kwargs)  # the engine names the error
+        self.forget_latest(job)
         return await self.commits.submit((token, job, step), (key, rank, files, host))
 
     async def manifest(self, token: str, args: list, kwargs: dict) -> Any:
@@ -214,7 +242,22 @@ class Batcher:
         if fields is None:
             return await self.call(token, "manifest", args, kwargs)
         job, step, ranks = fields
-        return await self.manifests.submit((token, job, step), ranks)
+        if step is None:
+            known = self.latest.get((token, job))
+            if known is not None and known[1] > time.monotonic():
+                self.stats["latest_reused"] += 1
+                try:
+                    return await self.bursts.submit((token, job, known[0]), ranks)
+                except MetaError:  # the step went meanwhile (deleted): ask the latest again
+                    self.latest.pop((token, job), None)
+        answer = await self.manifests.submit((token, job, step), ranks)
+        got = answer.get("step") if step is None and isinstance(answer, dict) else None
+        if _is_int(got):
+            self.latest[(token, job)] = (got, time.monotonic() + LATEST_TTL)
+            if len(self.latest) > 4096:  # bounded: drop the expired
+                now = time.monotonic()
+                self.latest = {k: v for k, v in self.latest.items() if v[1] > now}
+        return answer
 
     async def missing_chunks(self, token: str, ids: Any) -> Any:
         if not isinstance(ids, list) or not ids:

@@ -436,6 +436,8 @@ class Agent:
         tier = self.vol.tier
         if tier is not None:
             await self._thread(tier.flush, timeout=seconds)
+        if self.batcher is not None:  # a step may be durable now (batch.py LATEST_TTL)
+            self.batcher.forget_latest()
         return True
 
     async def agent_stats(self) -> dict:
