@@ -186,7 +186,10 @@ class Agent:
         finally:
             listener.close()
             _remove_socket(self.path)
-            self.upstream.close()
+            # the sender thread finishes what is queued (a send may wait on the service):
+            # joined in a thread, shielded, so the loop never blocks on it
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(self.upstream.close)
 
     async def shutdown(self, drain: float = DRAIN_S) -> None:
         """Stop accepting, wait (up to `drain` s) for the requests in flight, close."""
