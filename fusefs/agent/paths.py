@@ -14,9 +14,11 @@ directory belong to the rank's user (or root) and no one else may write the dire
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import socket
 import stat
 
 from metadata.wire.url import parse_url
@@ -91,3 +93,18 @@ def trusted(path: str) -> str | None:
     if st.st_uid not in (os.getuid(), 0):
         return f"owned by uid {st.st_uid}"
     return untrusted_dir(os.path.dirname(path))
+
+
+def listening(path: str) -> bool:
+    """Does a process accept connections at this socket path? A refused or missing socket
+    is not (a killed agent's); any other failure (a full backlog, a timeout) counts as
+    one that is, so a live agent is never replaced nor a second one started beside it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError as e:
+            return e.errno not in (errno.ECONNREFUSED, errno.ENOENT)
+        return True

@@ -37,7 +37,7 @@ import trio
 
 from chunkstore.store import ChunkUnavailable
 from fusefs.agent.batch import Batcher
-from fusefs.agent.paths import make_socket_dir
+from fusefs.agent.paths import listening, make_socket_dir
 from metadata.engine import MetaError
 from metadata.wire.protocol import (
     MAX_FRAME,
@@ -77,19 +77,6 @@ def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
     return PEERCRED.unpack(raw)
 
 
-def _listening(path: str) -> bool:
-    """Does a process accept connections at this socket path?"""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return False
-        except OSError as e:
-            return e.errno not in (errno.ECONNREFUSED, errno.ENOENT)
-        return True
-
-
 def bind_socket(path: str) -> socket.socket:
     """A listening Unix socket at `path` (mode 0600, in a 0700 directory it makes); a
     stale one (no one listening: a killed agent's) is replaced, a live one is an error."""
@@ -97,7 +84,7 @@ def bind_socket(path: str) -> socket.socket:
     if os.path.lexists(path):
         if not _is_socket(path):
             raise AgentError(f"{path} exists and is not a socket")
-        if _listening(path):
+        if listening(path):
             raise AgentError(f"an agent already serves this volume at {path}")
         os.unlink(path)
         log.info("replaced the stale socket %s", path)

@@ -30,14 +30,13 @@ import fcntl
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
-from fusefs.agent.paths import make_socket_dir, socket_path, trusted
+from fusefs.agent.paths import listening, make_socket_dir, socket_path, trusted
 
 log = logging.getLogger("ckptfs.agent")
 
@@ -79,15 +78,7 @@ def log_path(sock: str) -> str:
 
 def alive(path: str) -> bool:
     """Does a trusted agent accept connections at `path` (a killed one's socket does not)?"""
-    if trusted(path) is not None:
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(path)
-        except OSError:
-            return False
-    return True
+    return trusted(path) is None and listening(path)
 
 
 class HostLock:

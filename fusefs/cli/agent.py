@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from fusefs.cli.units import parse_size
+from fusefs.cli.units import parse_seconds, parse_size
 
 
 def _size(text: str) -> int:
@@ -19,16 +19,6 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0")
-    return value
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -118,7 +108,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--idle-exit",
-        type=_seconds,
+        type=parse_seconds,
         metavar="SECONDS",
         help="exit once no rank has been connected and the write-behind tier has been drained "
         "for SECONDS (an agent a rank starts on demand, CKPTFS_AGENT=auto; default: run until "

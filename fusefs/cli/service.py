@@ -12,7 +12,7 @@ import time
 from functools import partial
 
 from fusefs.cli.text import shown
-from fusefs.cli.units import format_size, parse_listen
+from fusefs.cli.units import format_size, parse_listen, parse_seconds
 from fusefs.client.volume import VOLUME_FILE, VolumeError
 from metadata.engine import MetaEngine, MetaError
 from metadata.engines import DB_WAIT_S, open_engine
@@ -69,19 +69,6 @@ def listen_arg(text: str) -> tuple[str, int]:
         return parse_listen(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _seconds(text: str, *, positive: bool = True) -> float:
-    """argparse type of --idle-timeout (seconds > 0) and --db-wait (seconds >= 0)."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not (v > 0 if positive else v >= 0) or v == float("inf"):
-        raise argparse.ArgumentTypeError(
-            f"expected seconds {'>' if positive else '>='} 0, got {text!r}"
-        )
-    return v
 
 
 def _positive_int(text: str) -> int:
@@ -298,7 +285,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--db", default=None, help="postgresql://... (default: the volume's engine)")
     s.add_argument(
         "--db-wait",
-        type=partial(_seconds, positive=False),
+        type=partial(parse_seconds, positive=False),
         default=DB_WAIT_S,
         metavar="SECONDS",
         help=f"at start, wait this long for a PostgreSQL server that does not answer yet, as "
@@ -310,7 +297,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int, default=8, help="engine worker threads")
     s.add_argument(
         "--idle-timeout",
-        type=_seconds,
+        type=parse_seconds,
         default=IDLE_TIMEOUT,
         metavar="SECONDS",
         help=f"close a client connection idle this long (default {IDLE_TIMEOUT:g}; "

@@ -1,7 +1,9 @@
-"""Human sizes on the command line (`4MiB`, `512k`, `1.5GB`); bytes everywhere else."""
+"""Human sizes on the command line (`4MiB`, `512k`, `1.5GB`); bytes everywhere else;
+and seconds (`parse_seconds`, an argparse type: service and agent options)."""
 
 from __future__ import annotations
 
+import argparse
 import re
 
 _UNITS = {
@@ -47,3 +49,17 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"expected HOST:PORT, not {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def parse_seconds(text: str, *, positive: bool = True) -> float:
+    """argparse type of a number of seconds: > 0 (--idle-timeout, --idle-exit), or >= 0
+    with positive=False (--db-wait)."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not (v > 0 if positive else v >= 0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected seconds {'>' if positive else '>='} 0, got {text!r}"
+        )
+    return v

@@ -217,9 +217,7 @@ class Conn:
             want = sum(map(len, parts))
             n = self.link.try_send(parts)
             if n:
-                self.out_bytes -= n
-                self.out_since = time.monotonic()
-                self.budget.charge(self, -n)
+                self._wrote(n)
             if n != want:  # the kernel took part: the rest, as one piece, to the writer
                 self.out[: len(parts)] = [b"".join(parts)[n:]] if n else parts
                 self._start_writer()
@@ -280,13 +278,17 @@ class Conn:
                 del data
                 if self.closed:  # dropped or ended meanwhile: close() released it all
                     return
-                self.out_bytes -= n
-                self.out_since = time.monotonic()
-                self.budget.charge(self, -n)
-                if not self.full:
-                    self.drained.set()
+                self._wrote(n)
         finally:
             self._writing = False
+
+    def _wrote(self, n: int) -> None:
+        """n queued bytes reached the kernel: out of the queue's count and the budget."""
+        self.out_bytes -= n
+        self.out_since = time.monotonic()
+        self.budget.charge(self, -n)
+        if not self.full:
+            self.drained.set()
 
     def reply(self, rid: int, result: Any, error: BaseException | None, method: str) -> None:
         """Answer request `rid` with its result or error; frees its in-flight slot."""

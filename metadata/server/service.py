@@ -187,6 +187,7 @@ class MetaService:
         self.engine = engine
         self._token = token.encode()
         self.access = Access(engine, self._token)  # who may call what (server/access.py)
+        # scoped tokens live in the engine (SQL ones): reloaded on a poll and on demand
         self._tokens_reloadable = getattr(engine, "token_generation", None) is not None
         self.base_dir = base_dir
         self.max_frame = max_frame
@@ -257,7 +258,7 @@ class MetaService:
                 prune = partial(self._run, self.engine.prune_requests)
                 nursery.start_soon(periodic, "prune_requests", prune, PRUNE_EVERY)
             every = min(IDLE_CHECK_MAX, self.idle_timeout / 4)
-            if getattr(self.engine, "token_generation", None) is not None:
+            if self._tokens_reloadable:
                 await self._run(self.access.reload)
                 tokens = partial(self._run, self.access.reload)
                 nursery.start_soon(periodic, "tokens", tokens, ACCESS_POLL_S)
@@ -440,7 +441,7 @@ class MetaService:
             )  # fmt: skip
             return
         principal = self.access.authenticate(hello["token"])
-        if principal is None and getattr(self.engine, "token_generation", None) is not None:
+        if principal is None and self._tokens_reloadable:
             await self.access.reload_now(self._run)  # a token made since the last look
             principal = self.access.authenticate(hello["token"])
         if principal is None or self.access.current(principal) is None:
