@@ -732,3 +732,72 @@ def test_pipelined_reads_over_the_wire_see_each_write(served):
         c.lookup(1, b"nope")
     assert e.value.errno == errno.ENOENT
     vol.close()
+
+
+def test_group_commit_validates_in_chunks_and_writes_what_waits_as_one():
+    """The validator checks at most VALIDATE_MAX ranks at a time, running ahead of a busy
+    writer; the writer then takes every chunk waiting (up to MAX_BATCH ranks) as one
+    write (engine.merge_prepared). An engine that cannot merge gets one chunk a write.
+    Every rank is answered with its own outcome either way."""
+    import threading
+
+    import trio
+
+    from metadata.server.groupcommit import MAX_BATCH, VALIDATE_MAX, GroupCommit
+    from metadata.server.slot import Slot
+
+    class Engine:
+        def __init__(self) -> None:
+            self.prepared: list[int] = []
+            self.written: list[int] = []
+            self.first = threading.Event()  # the first write may end
+            self.busy = threading.Event()  # the first write began
+            self.all = threading.Event()  # every rank validated
+
+        def prepare_commits(self, items: list) -> tuple:
+            self.prepared.append(len(items))
+            if sum(self.prepared) == n:
+                self.all.set()
+            return [None] * len(items), list(items)
+
+        def write_commits(self, prepared: tuple) -> list:
+            self.written.append(len(prepared[1]))
+            if len(self.written) == 1:
+                self.busy.set()
+                self.first.wait(10)  # busy: the rest is validated meanwhile
+            return [{"rank": t[2]} for t in prepared[1]]
+
+        def apply_pending(self, limit: int) -> int:
+            return 0
+
+    class Merging(Engine):
+        def merge_prepared(self, parts: list) -> tuple:
+            return [o for p in parts for o in p[0]], [t for p in parts for t in p[1]]
+
+    n = VALIDATE_MAX * 3 + 7
+
+    async def main(engine: Engine) -> list:
+        group = GroupCommit(
+            engine, lambda b, r: [s.set(x) for (_, s), x in zip(b, r, strict=True)], lambda: False
+        )
+        slots = [Slot() for _ in range(n)]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(group.run)
+            group.submit(("job", 1, 0, [], ""), slots[0])
+            assert await trio.to_thread.run_sync(engine.busy.wait, 10)  # rank 0 alone
+            for r in range(1, n):
+                group.submit(("job", 1, r, [], ""), slots[r])
+            assert await trio.to_thread.run_sync(engine.all.wait, 10)
+            engine.first.set()
+            with trio.fail_after(10):
+                got = [(await s.get())["rank"] for s in slots]
+            nursery.cancel_scope.cancel()
+        return got
+
+    merging = Merging()
+    assert trio.run(main, merging) == list(range(n))
+    assert max(merging.prepared) <= VALIDATE_MAX and len(merging.prepared) >= 4
+    assert merging.written[0] == 1 and len(merging.written) <= 1 + -(-(n - 1) // MAX_BATCH)
+    plain = Engine()
+    assert trio.run(main, plain) == list(range(n))
+    assert plain.written == plain.prepared  # one chunk a write

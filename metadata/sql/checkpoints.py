@@ -52,18 +52,18 @@ from metadata.engine import (
     rank_items,
 )
 from metadata.sql.chunkrefs import check_domain
+from metadata.sql.commitrows import JOURNAL_GROUP, FileCols, Rows, merge
 from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
 
 __all__ = [  # the packing helpers, importable from here as before
     "CHK", "EXT", "INO", "RANK", "WireFile", "blob_chunk_ids", "file_fields", "pack_chunks",
-    "pack_extents", "pack_files", "unpack_extents", "CheckpointMixin",
+    "pack_extents", "pack_files", "unpack_extents", "CheckpointMixin", "JOURNAL_GROUP",
 ]  # fmt: skip
 
 OPEN, PUBLISHED, ABORTED, DELETED = 0, 1, 2, 3
 STATE_NAMES = {OPEN: "open", PUBLISHED: "published", ABORTED: "aborted", DELETED: "deleted"}
 JOURNAL_MAX = 20_000  # pending journal rows before commit_group applies them itself
-JOURNAL_GROUP = 32  # rank commits of one step per journal row
 
 CKPT_SCHEMA = [
     """CREATE TABLE IF NOT EXISTS ckpt_steps (
@@ -87,27 +87,6 @@ class _Fallback(Exception):
 
 def _now() -> int:
     return time.time_ns()
-
-
-def _journal_rows(by_step: dict[tuple[str, int, int | None], list[tuple]]) -> list[tuple]:
-    """ref_journal rows for a group commit's (rank, chunks, refs, closed) entries: up to
-    JOURNAL_GROUP ranks of one step and trust domain (chunkrefs.py) per row. Thousands
-    of rows of a few KB each cost more than the blobs (measured: ~100 ms of a 4096-rank
-    write), and an applied slice is still small. Blobs are bytearrays (see
-    SqlEngine._bulk_insert)."""
-    rows = []
-    for (job, step, domain), entries in by_step.items():
-        for g in range(0, len(entries), JOURNAL_GROUP):
-            part = entries[g : g + JOURNAL_GROUP]
-            ranks = _BLOB.join(RANK.pack(e[0]) for e in part)
-            chunks = _BLOB.join(e[1] for e in part if not e[3])
-            refs = _BLOB.join(e[2] for e in part)
-            owned = _BLOB.join(e[1] for e in part if e[3])
-            rows.append((job, step, part[0][0], ranks, chunks, refs, owned, domain))
-    return rows
-
-
-_BLOB = bytearray()  # its join() makes a bytearray
 
 
 class CheckpointMixin(SqlCore):
@@ -271,7 +250,12 @@ class CheckpointMixin(SqlCore):
                     out[i] = e
         if domains and any(isinstance(out[i], MetaError) for i in domains):
             todo = [t for t in todo if out[t[0]] is None]
-        return (out, todo, domains) if domains else (out, todo)
+        return out, todo, domains, Rows(todo, domains)
+
+    def merge_prepared(self, prepared: list[tuple]) -> tuple:
+        """Several `prepare_commits` results as one `write_commits` argument (the service's
+        writer takes every validated chunk waiting, commitrows.merge)."""
+        return merge(prepared)
 
     @retried
     def write_commits(self, prepared: tuple[list[Any], list[tuple]]) -> list[dict | MetaError]:
@@ -285,6 +269,7 @@ class CheckpointMixin(SqlCore):
         """
         out, todo = prepared[:2]
         domains = prepared[2] if len(prepared) > 2 else {}
+        rows = prepared[3] if len(prepared) > 3 else None
         out = list(out)
         if not todo:
             return out
@@ -299,7 +284,7 @@ class CheckpointMixin(SqlCore):
             self._lock_named(c, CHUNK_GATE, shared=True)
             self._x(c, "SAVEPOINT batch")
             try:
-                res = self._commit_group(c, todo, careful=False, domains=domains)
+                res = self._commit_group(c, todo, careful=False, domains=domains, rows=rows)
             except self._retryable:
                 raise  # the whole transaction runs again (txlocks.retried)
             except Exception:  # noqa: BLE001 - a conflict; the careful pass names it
@@ -340,12 +325,18 @@ class CheckpointMixin(SqlCore):
         return out
 
     def _commit_group(
-        self, c: Any, todo: list[tuple], careful: bool, domains: dict | None = None
+        self,
+        c: Any,
+        todo: list[tuple],
+        careful: bool,
+        domains: dict | None = None,
+        rows: Rows | None = None,
     ) -> dict[int, Any]:
         """Write every valid commit of `todo` with bulk statements; {item index: result}.
 
         careful=False raises on a conflict it cannot attribute (the caller then
-        retries rank by rank); careful=True (one rank) raises the MetaError.
+        retries rank by rank); careful=True (one rank) raises the MetaError. `rows`:
+        the validator's rows for `todo` (`Rows`), used when every commit is written.
         """
         now = _now()
         res: dict[int, Any] = {}
@@ -390,8 +381,10 @@ class CheckpointMixin(SqlCore):
                     prev[rank] = digest  # a second copy in this batch is a duplicate
                     fresh.append(t)
         fresh = self._known_refs(c, fresh, res)
+        if rows is not None and (careful or not rows.cover(fresh)):
+            rows = None  # some were duplicates or refused: the writer makes its own
         if fresh:
-            self._write_ranks(c, fresh, steps, now, careful, domains or {})
+            self._write_ranks(c, fresh, steps, now, careful, domains or {}, rows)
         briefs: dict[tuple[str, int], dict] = {}
         for key in {(t[1], t[2]) for t in fresh}:
             n = self._one(c, "SELECT COUNT(*) FROM ckpt_ranks WHERE job = ? AND step = ?", key)[0]
@@ -458,9 +451,17 @@ class CheckpointMixin(SqlCore):
         return keep
 
     def _write_ranks(
-        self, c: Any, fresh: list[tuple], steps: dict, now: int, careful: bool, domains: dict
+        self,
+        c: Any,
+        fresh: list[tuple],
+        steps: dict,
+        now: int,
+        careful: bool,
+        domains: dict,
+        pre: Rows | None = None,
     ) -> None:
-        """Directories, inodes, dentries, rank records and journal rows, one statement each."""
+        """Directories, inodes, dentries, rank records and journal rows, one statement each.
+        `pre`: the same rows' columns made by the validator (`Rows`), else made here."""
         # Directories: resolve level by level; new ones get placeholder ids (< 0) first.
         resolved: dict[tuple[int, tuple[bytes, ...]], int] = {}
         used: dict[tuple[int, bytes], bool] = {}  # (parent, name) -> is a directory
@@ -515,22 +516,17 @@ class CheckpointMixin(SqlCore):
                 c, fresh, steps, resolved, used, fresh_dirs, inos[first:]
             )  # fmt: skip
         elif rows:  # column by column: ~2 us of Python a file less than a loop
-            _, parts, sizes, blobs, _ = zip(*rows, strict=True)
+            cols = pre.files if pre is not None and pre.files else FileCols.of(fresh)
             roots = chain.from_iterable(
                 repeat(steps[(t[1], t[2])][2], len(t[4])) for t in fresh
             )  # fmt: skip
-            prefixes = [tuple(p[:-1]) for p in parts]
-            names = [p[-1] for p in parts]
-            parents = list(map(resolved.__getitem__, zip(roots, prefixes, strict=True)))
-            keys = set(zip(parents, names, strict=True))
+            parents = list(map(resolved.__getitem__, zip(roots, cols.prefixes, strict=True)))
+            keys = set(zip(parents, cols.names, strict=True))
             if len(keys) != len(rows) or not keys.isdisjoint(used):
                 raise _Fallback("two files, or a file and a directory, share a path")
             file_inos = inos[first:]
-            allocs = chain.from_iterable(t[9][5] for t in fresh)
-            file_rows = list(
-                zip(file_inos, sizes, map(bytearray, blobs), allocs, strict=True)
-            )  # fmt: skip
-            file_dents = list(zip(parents, map(bytearray, names), file_inos, strict=True))
+            file_rows = list(zip(file_inos, cols.sizes, cols.blobs, cols.allocs, strict=True))
+            file_dents = list(zip(parents, cols.name_blobs, file_inos, strict=True))
         else:
             file_rows, file_dents = [], []
         dent_rows += file_dents
@@ -551,34 +547,24 @@ class CheckpointMixin(SqlCore):
                 self._q("UPDATE inodes SET nlink = nlink + ? WHERE ino = ?"),
                 [(n, ino) for ino, n in sorted(nlink.items())],
             )
-        rank_rows = []
-        journal: dict[tuple[str, int, int | None], list[tuple]] = {}
-        packed = bytearray(np.array(inos[first:], "<u8"))  # INO records, every file's
-        k = 0
         # new chunks gc may have deleted are refused (leases.py); ranks carry no INLINE ones.
         # A generator: read only when gc has condemned something at all.
         self._refuse_doomed(c, (bytes(r[0]) for t in fresh for r in CHK.iter_unpack(t[9][2])))
-        for i, job, step, rank, files, host, digest, new_bytes, closed, parts in fresh:
-            size, paths, chunks, refs = parts[:4]
-            n = len(files)
-            rank_rows.append(
-                (job, step, rank, host, now, size, new_bytes, n, bytearray(digest),
-                 packed[k : k + INO.size * n], bytearray(paths))
-            )  # fmt: skip
-            k += INO.size * n
-            if refs or chunks:
-                key = (job, step, domains.get(i))  # (a trusted committer's: None)
-                journal.setdefault(key, []).append((rank, chunks, refs, closed))
+        if pre is None:
+            pre = Rows(fresh, domains, files=False)
+        packed = bytearray(np.array(inos[first:], "<u8"))  # INO records, every file's
+        ends = pre.ino_ends
         self._bulk_insert(
             c,
             "ckpt_ranks",
-            "job, step, rank, host, committed, bytes, new_bytes, files, digest, inos, paths",
-            rank_rows,
+            "job, step, rank, host, bytes, new_bytes, files, digest, paths, inos",
+            [(*r, packed[a:b]) for r, a, b in zip(pre.ranks, ends[:-1], ends[1:], strict=True)],
+            {"committed": now},
         )
-        if journal:
+        if pre.journal:
             self._bulk_insert(
                 c, "ref_journal", "job, step, rank, ranks, chunks, refs, owned, domain",
-                _journal_rows(journal),
+                pre.journal,
             )  # fmt: skip
 
     def _careful_files(
