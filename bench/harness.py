@@ -267,8 +267,8 @@ def run(cfg: HarnessConfig, log=None) -> dict:
         }
         if cfg.uses_agents():
             wcfg["agent_sockets"] = env.start_agents(len(hosts), wcfg["staging_size"])
-        elif cfg.agent:
-            env.notes.append("no agents on --topology netns: each host is one Volume")
+            if env.fabric:  # where they run, read from /proc
+                topology["agents_in"] = env.agent_namespaces()
         say(
             f"ckptfs bench: {cfg.ranks} ranks on {len(hosts)} hosts in {len(groups)} processes, "
             f"{cfg.steps} steps of {step_bytes / 2**20:.0f} MiB ({cfg.data}, change rate "
@@ -338,6 +338,11 @@ def run(cfg: HarnessConfig, log=None) -> dict:
             counters[k] += int(getattr(meta, k, 0) or 0)
         if env.agents:
             agents = _agents_summary(env)
+            # the ranks' connections to the service are their agents': count theirs, the
+            # ones a resume restarted too
+            earlier = (resume or {}).get("agents_before_restart") or {}
+            for k in counters:
+                counters[k] += int(agents.get(k, 0)) + int(earlier.get(k, 0))
         latest = _try(errors, "latest", meta.latest, job)
         durable = _try(errors, "latest_durable", meta.latest_durable, job)
         got = _try(errors, "stats", meta.stats)

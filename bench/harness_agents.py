@@ -4,7 +4,10 @@ fleet (bench.harness_watch), restarted for a resume and stopped at teardown.
 
 Each agent serves its host's volume on a socket of its own (--socket, under the run's
 directory) and runs the host's write-behind tier in the host's staging directory; the
-worker processes' ranks connect to it (bench.harness_ranks). A resume restarts every
+worker processes' ranks connect to it (bench.harness_ranks). On --topology netns it runs
+inside its host's network namespace, as the host's worker process does: its connections
+to the service replicas and the S3 nodes are the host's, and a partition of the host cuts
+them too (a path-named Unix socket is reachable from any network namespace). A resume restarts every
 agent (SIGTERM: the agent stops accepting and exits; the next one's tier adopts the
 journal it left) before the resume's clock starts: on a real host the agent outlives the
 job, and what a restart of the job costs is the ranks' reconnects and reads.
@@ -35,8 +38,10 @@ class AgentProc:
         staging_size: int,
         durability: str,
         log_path: str,
+        prefix: list[str] | tuple[str, ...] = (),
     ) -> None:
         self.index = index
+        self.prefix = list(prefix)  # runs it inside its host's network namespace (netns)
         self.name = f"a{index}"
         self.url = url
         self.socket = sock
@@ -48,8 +53,9 @@ class AgentProc:
 
     def spawn(self) -> None:
         """Start the process (spawn, then `wait_serving`: many start side by side)."""
-        cmd = [sys.executable, "-m", "fusefs.cli", "agent", self.url, "--socket", self.socket,
-               "--staging", self.staging, "--staging-size", str(self.staging_size),
+        cmd = [*self.prefix, sys.executable, "-m", "fusefs.cli", "agent", self.url,
+               "--socket", self.socket, "--staging", self.staging,
+               "--staging-size", str(self.staging_size),
                "--durability", self.durability]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -144,7 +150,8 @@ def summary(agents: list[AgentProc], token: str) -> dict:
     """What the agents say they did, summed (errors listed, not raised: a finding)."""
     keys = ("ranks_served", "requests", "upstream_connections", "commit_groups",
             "commits_grouped", "commits_single", "manifest_groups", "manifests_grouped",
-            "missing_groups", "missing_merged", "uploader_threads")  # fmt: skip
+            "missing_groups", "missing_merged", "uploader_threads",
+            "failovers", "reconnects", "hangs")  # fmt: skip
     out: dict = {"agents": len(agents), **dict.fromkeys(keys, 0), "errors": []}
     for a in agents:
         try:

@@ -72,12 +72,10 @@ class HarnessConfig:
     workdir: str | None = None
     fail_after_step: int | None = None  # test hook: raise once this step is saved
     resume: bool = False  # after the drain: every rank reads latest_durable back, fresh
-    agent: bool = True  # ranks through a `ckptfs agent` per host (loopback; see uses_agents)
+    agent: bool = True  # ranks through a `ckptfs agent` per host (on netns: in the host's)
 
     def uses_agents(self) -> bool:
-        """Agents run on loopback only: on netns a host's process lives in its namespace,
-        and its agent would have to be started there too (not done: --no-agent's mode)."""
-        return self.agent and self.topology == "loopback"
+        return self.agent
 
     def resolve(self) -> None:
         """Fill the defaults that depend on other options (idempotent)."""

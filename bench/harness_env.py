@@ -282,6 +282,7 @@ class Env:
                 staging_size,
                 self.cfg.durability,
                 os.path.join(self.root, f"agent{h}.log"),
+                self._host_prefix(h),
             )
             for h in range(n_hosts)
         ]
@@ -290,6 +291,12 @@ class Env:
         except ServerError as e:
             raise HarnessError(str(e)) from None
         return {a.index: a.socket for a in self.agents}
+
+    def _host_prefix(self, h: int) -> list[str]:
+        """Command words that run a program in host h's network namespace (netns), else
+        none."""
+        m = self.member(f"h{h}") if h in self.host_ns else None
+        return m.prefix if m is not None else []
 
     def restart_agents(self) -> None:
         """Every agent stopped (SIGTERM) and started again on its socket and staging."""
@@ -322,6 +329,26 @@ class Env:
                 except OSError:
                     continue
         return total
+
+    def agent_namespaces(self) -> dict[str, str | None]:
+        """Each running agent's network namespace, by host name (None: none of the
+        fleet's): read from /proc, so the report says where they really run."""
+        by_inode = {}
+        for h, path in self.host_ns.items():
+            try:
+                by_inode[os.stat(path).st_ino] = f"host-{h:03d}"
+            except OSError:
+                continue
+        out: dict[str, str | None] = {}
+        for a in self.agents:
+            if a.pid is None or a.exit_status() is not None:
+                continue
+            try:
+                ino = os.stat(f"/proc/{a.pid}/ns/net").st_ino
+            except OSError:
+                continue
+            out[f"host-{a.index:03d}"] = by_inode.get(ino)
+        return out
 
     # -- what the report says about it ------------------------------------------------------
     def topology(self) -> dict:

@@ -403,7 +403,7 @@ def build_report(
         else None,
         **cpu,
         "resume": resume,
-        "agents": agents,  # None: --no-agent (or netns); else what the agents counted
+        "agents": agents,  # None: --no-agent; else what the agents counted
         "steps": summaries,
         "flush": flush,
         "latest": latest,

@@ -415,8 +415,9 @@ def test_netns_fleet_run_with_every_fault(tmp_path):
 @needs_netns
 @needs_weed
 def test_netns_keeps_the_old_faults(tmp_path):
-    """--kill-rank, --kill-node, --slow-rank and --slow-node on the fleet: the killed rank's
-    step aborts with the previous one intact, the dead node's replicas serve."""
+    """--kill-rank, --kill-node, --slow-rank and --slow-node on the fleet, every rank through
+    its host's agent (run in the host's namespace): the killed rank's step aborts with the
+    previous one intact, the dead node's replicas serve."""
     cfg = HarnessConfig(
         ranks=16, hosts=2, shard_size=64 * 1024, steps=3, topology="netns", kill_rank=True,
         kill_node=True, slow_rank=1, slow_node=True, slow_delay=0.5,
@@ -428,6 +429,11 @@ def test_netns_keeps_the_old_faults(tmp_path):
     assert s1["state"] == s3["state"] == "published" and s2["state"] == "aborted"
     assert s2["killed_ranks"] == [8] and rep["killed_node"] == "n0"
     assert all(s["verified"] == 16 for s in rep["steps"])
+    # the ranks went through their hosts' agents, each run in its host's namespace
+    agents = rep["agents"]
+    assert agents["agents"] == 2 and agents["errors"] == [] and agents["ranks_served"] >= 16
+    assert agents["commits_grouped"] + agents["commits_single"] >= 16
+    assert rep["topology"]["agents_in"] == {"host-000": "host-000", "host-001": "host-001"}
     assert os.listdir(tmp_path) == []
 
 

@@ -437,6 +437,7 @@ class Agent:
             **self.stats,
             **b,
             "upstream_connections": self.upstream.connections(),
+            **self.upstream.counters(),
             "uploader_threads": sum(1 for n in names if n.startswith("ckptfs-upload")),
             "pid": os.getpid(),
         }

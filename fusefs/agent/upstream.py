@@ -65,6 +65,9 @@ def _chain(inner: Future, outer: Future) -> None:
     inner.add_done_callback(done)
 
 
+UPSTREAM_COUNTERS = ("failovers", "reconnects", "hangs")
+
+
 class RemoteUpstream:
     """A `ckptfs://` volume: the agent's RemoteEngine, each request on a rank's behalf."""
 
@@ -126,6 +129,11 @@ class RemoteUpstream:
         """Connections this agent opened to the service (the first, then each reconnect)."""
         return 1 + int(getattr(self.engine, "reconnects", 0))
 
+    def counters(self) -> dict[str, int]:
+        """Its failovers (to another replica), reconnects and hangs (connections left for
+        silence or a missed deadline): the host's, as a rank's own client counts them."""
+        return {k: int(getattr(self.engine, k, 0) or 0) for k in UPSTREAM_COUNTERS}
+
 
 class LocalUpstream:
     """An embedded engine, called in threads (no credential: module docstring)."""
@@ -151,6 +159,9 @@ class LocalUpstream:
 
     def connections(self) -> int:
         return 0
+
+    def counters(self) -> dict[str, int]:
+        return dict.fromkeys(UPSTREAM_COUNTERS, 0)
 
     def close(self) -> None:
         """Nothing of its own to stop (its threads are trio's)."""
