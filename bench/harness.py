@@ -340,7 +340,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
             agents = _agents_summary(env)
             # the ranks' connections to the service are their agents': count theirs, the
             # ones a resume restarted too
-            earlier = (resume or {}).get("agents_before_restart") or {}
+            earlier = env.agents_before_restart  # (kept even if the resume then failed)
             for k in counters:
                 counters[k] += int(agents.get(k, 0)) + int(earlier.get(k, 0))
         latest = _try(errors, "latest", meta.latest, job)
@@ -630,6 +630,7 @@ def _resume(cfg: HarnessConfig, env: Env, workers: Workers, show: bool) -> dict:
     before = None
     if env.agents:  # the host agents restart, their tiers adopting the journals they left
         before = _agents_summary(env)  # what they did until now: the steps' saves and loads
+        env.agents_before_restart = before
         t0 = time.time()
         env.restart_agents()
         restart_s = round(time.time() - t0, 3)

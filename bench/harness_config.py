@@ -13,7 +13,7 @@ from bench.harness_data import KINDS
 from chunkstore.chunker import MAX_CHUNK, MIN_CHUNK
 
 TOPOLOGIES = ("loopback", "netns")
-MAX_NETNS_HOSTS = 64  # one worker process per host: memory, not addresses, is the limit
+MAX_NETNS_HOSTS = 64  # a worker process and an agent per host: memory, not addresses, is the limit
 MAX_REPLICAS = 8
 # --hang-meta: how long a replica stays stopped (SIGSTOP .. SIGCONT). Longer than what a
 # client takes to leave a silent replica (1 s of silence, then a ping unanswered for 3 s:

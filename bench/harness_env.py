@@ -82,6 +82,7 @@ class Env:
         self._ctl_old: int | None = None
         self.host_ns: dict[int, str] = {}  # host index -> its namespace's path (netns)
         self.agents: list = []  # one `ckptfs agent` per host (bench.harness_agents)
+        self.agents_before_restart: dict = {}  # their counters when a resume restarted them
         self.worker_pids: dict[int, int] = {}  # host index -> worker pid (loopback partition)
         self.stopped_pids: set[int] = set()
         self.stopped_meta: set[int] = set()  # replicas --hang-meta has stopped (SIGSTOP)

@@ -21,6 +21,27 @@ def _items(step: int, ranks: range, job: str = "j") -> list[tuple]:
     return [(job, step, r, [WireFile(**f) for f in rank_files(r)], f"h{r}", None) for r in ranks]
 
 
+def _made_by_writer(monkeypatch) -> list[int]:
+    """Count the files' columns made from here on (the writer's own, when it does not use
+    the validator's); a wrong use would not fail the write but fall back to rank-by-rank,
+    so tests count this and the journal rows instead."""
+    made: list[int] = []
+    orig = FileCols.of.__func__
+
+    def of(cls, todo):
+        made.append(len(todo))
+        return orig(cls, todo)
+
+    monkeypatch.setattr(FileCols, "of", classmethod(of))
+    return made
+
+
+def _journal(eng: SqliteEngine) -> list[tuple[list[int], int | None]]:
+    """ref_journal rows: (the ranks each holds, its trust domain), in id order."""
+    rows = eng._conn.execute("SELECT ranks, domain FROM ref_journal ORDER BY id").fetchall()
+    return [([r for (r,) in RANK.iter_unpack(bytes(ranks))], dom) for ranks, dom in rows]
+
+
 def test_rows_hold_what_the_writer_inserts(tmp_path):
     """Per file, in commit order: the directory prefix, the name (also as a bytearray, the
     bound value), size, extents (a bytearray) and alloc; per rank its ckpt_ranks row but
@@ -49,9 +70,10 @@ def test_rows_hold_what_the_writer_inserts(tmp_path):
     assert not rows.cover(todo[1:]) and not rows.cover([*todo[1:], todo[0]])
 
 
-def test_merged_chunks_write_as_one_and_match_one_batch(tmp_path):
+def test_merged_chunks_write_as_one_and_match_one_batch(tmp_path, monkeypatch):
     """Chunks validated apart and merged are one write_commits: every rank committed, the
-    step published, the same files and journal as the whole batch validated at once."""
+    step published, the same files and journal as the whole batch validated at once, in
+    one pass with the validator's rows (the writer makes none of its own)."""
     eng = _engine(tmp_path)
     n = 2 * JOURNAL_GROUP + 5
     items = _items(1, range(n))  # (random chunk ids: made once)
@@ -68,9 +90,27 @@ def test_merged_chunks_write_as_one_and_match_one_batch(tmp_path):
     assert [r for part in ranks for r in part] == list(range(n))  # each chunk's rows
     assert all(0 < len(part) <= JOURNAL_GROUP for part in ranks)
     eng.begin("j", 1, n)
+    made = _made_by_writer(monkeypatch)
     res = eng.write_commits(merged)
     assert all(isinstance(r, dict) for r in res) and res[-1]["state"] == "published"
-    assert eng.pending_refs() == len(rows.journal)
+    assert made == [] and [r for r, _ in _journal(eng)] == ranks  # not rank by rank
+
+
+def test_merged_chunks_keep_each_commits_trust_domain(tmp_path, monkeypatch):
+    """Items carry their committer's trust domain (a sixth field, by item index): after a
+    merge moves the indices, each rank's journal row still carries its own domain."""
+    eng = _engine(tmp_path)
+    items = [(*it[:5], 7 if it[2] % 2 else None) for it in _items(1, range(6))]
+    a, b = eng.prepare_commits(items[:3]), eng.prepare_commits(items[3:])
+    assert a[2] == {1: 7} and b[2] == {0: 7, 2: 7}
+    merged = eng.merge_prepared([a, b])
+    assert merged[2] == {1: 7, 3: 7, 5: 7}
+    eng.begin("j", 1, 6)
+    made = _made_by_writer(monkeypatch)
+    res = eng.write_commits(merged)
+    assert res[-1]["state"] == "published" and made == []
+    got = {r: dom for ranks, dom in _journal(eng) for r in ranks}
+    assert got == {r: (7 if r % 2 else None) for r in range(6)}
 
 
 def test_merge_without_rows_leaves_the_writer_to_make_them(tmp_path):
@@ -86,18 +126,21 @@ def test_merge_without_rows_leaves_the_writer_to_make_them(tmp_path):
     assert res[-1]["state"] == "published" and res[-1]["committed"] == 6
 
 
-def test_the_writer_makes_its_own_rows_when_a_rank_drops_out(tmp_path):
+def test_the_writer_makes_its_own_rows_when_a_rank_drops_out(tmp_path, monkeypatch):
     """Rows are used only for exactly the commits they were made for: with a duplicate
-    (already committed) rank in the batch the writer makes its own, and the others
-    commit."""
+    (already committed) rank in the batch the writer makes its own for the others, in
+    one pass, and they commit."""
     eng = _engine(tmp_path)
     eng.begin("j", 1, 4)
     items = _items(1, range(4))
     assert eng.write_commits(eng.prepare_commits(items[:1]))[0]["state"] == "open"
     again = eng.prepare_commits(items)  # rank 0 again: a duplicate
+    made = _made_by_writer(monkeypatch)
     res = eng.write_commits(again)
     assert res[0]["duplicate"] and not res[1]["duplicate"]
     assert res[-1]["state"] == "published" and res[-1]["committed"] == 4
+    assert made == [3]  # its own columns, for the three it wrote
+    assert [r for r, _ in _journal(eng)] == [[0], [1, 2, 3]]  # one row: not rank by rank
 
 
 def test_empty_file_columns():

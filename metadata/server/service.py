@@ -12,8 +12,9 @@ CapacityLimiter. Four kinds of request get special handling because thousands
 of ranks send them at the same moment:
 
 - commit_rank: queued for group commit (no task; see groupcommit.py): a
-  validation thread checks everything waiting at once, and a writer thread
-  writes it in one transaction while the next batch is validated. Between
+  validation thread checks what waits in chunks of up to 512 ranks, and a
+  writer thread writes every chunk validated so far in one transaction while
+  the next ones are validated. Between
   bursts the writer applies the engine's pending-reference journal in small
   slices. A commit_ranks (a host's ranks' commits in one request) queues each
   of its ranks so (commitranks.py);

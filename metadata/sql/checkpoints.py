@@ -234,9 +234,10 @@ class CheckpointMixin(SqlCore):
         """Group commit: many ranks' commits in one transaction (see `write_commits`)."""
         return self.write_commits(self.prepare_commits(items))
 
-    def prepare_commits(self, items: list[tuple]) -> tuple[list[Any], list[tuple], dict]:
+    def prepare_commits(self, items: list[tuple]) -> tuple[list[Any], list[tuple], dict, Rows]:
         """Validate a group commit without touching the database: (outcomes so far, the
-        valid commits, {item index: trust domain}). Pure CPU work, so the service runs it
+        valid commits, {item index: trust domain}, the rows the write inserts that need no
+        database: commitrows.Rows). Pure CPU work, so the service runs it
         for the next batch while the previous one is being written
         (ckptcheck.prepare_commits). An item may carry a sixth field, its committer's
         trust domain (the service sets it for a scoped credential; chunkrefs.py)."""
