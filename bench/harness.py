@@ -265,7 +265,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
             "phase_timeout": cfg.phase_timeout,
             "log_dir": env.log_dir,
         }
-        if cfg.uses_agents():
+        if cfg.agent:
             wcfg["agent_sockets"] = env.start_agents(len(hosts), wcfg["staging_size"])
             if env.fabric:  # where they run, read from /proc
                 topology["agents_in"] = env.agent_namespaces()
@@ -274,7 +274,7 @@ def run(cfg: HarnessConfig, log=None) -> dict:
             f"{cfg.steps} steps of {step_bytes / 2**20:.0f} MiB ({cfg.data}, change rate "
             f"{cfg.change_rate}, chunks {chunk // 1024} KiB, durability {cfg.durability}, "
             f"topology {cfg.topology}, "
-            f"{'each rank a client of its host agent' if cfg.uses_agents() else 'no agents'})"
+            f"{'each rank a client of its host agent' if cfg.agent else 'no agents'})"
         )
         if faults.plan:
             plan = ", ".join(f"{k} at step {v}" for k, v in faults.plan.items())

@@ -7,10 +7,10 @@ directory) and runs the host's write-behind tier in the host's staging directory
 worker processes' ranks connect to it (bench.harness_ranks). On --topology netns it runs
 inside its host's network namespace, as the host's worker process does: its connections
 to the service replicas and the S3 nodes are the host's, and a partition of the host cuts
-them too (a path-named Unix socket is reachable from any network namespace). A resume restarts every
-agent (SIGTERM: the agent stops accepting and exits; the next one's tier adopts the
-journal it left) before the resume's clock starts: on a real host the agent outlives the
-job, and what a restart of the job costs is the ranks' reconnects and reads.
+them too (a path-named Unix socket is reachable from any network namespace). A resume
+restarts every agent (SIGTERM: the agent stops accepting and exits; the next one's tier
+adopts the journal it left) before the resume's clock starts: on a real host the agent
+outlives the job, and what a restart of the job costs is the ranks' reconnects and reads.
 """
 
 from __future__ import annotations

@@ -74,9 +74,6 @@ class HarnessConfig:
     resume: bool = False  # after the drain: every rank reads latest_durable back, fresh
     agent: bool = True  # ranks through a `ckptfs agent` per host (on netns: in the host's)
 
-    def uses_agents(self) -> bool:
-        return self.agent
-
     def resolve(self) -> None:
         """Fill the defaults that depend on other options (idempotent)."""
         if self.nodes is None:

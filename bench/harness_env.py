@@ -296,7 +296,7 @@ class Env:
     def _host_prefix(self, h: int) -> list[str]:
         """Command words that run a program in host h's network namespace (netns), else
         none."""
-        m = self.member(f"h{h}") if h in self.host_ns else None
+        m = self.member(f"h{h}")
         return m.prefix if m is not None else []
 
     def restart_agents(self) -> None:

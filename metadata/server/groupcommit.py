@@ -77,7 +77,6 @@ class GroupCommit:
         self._room = threading.Condition(lock)  # the writer took it (the validator waits)
         self._queue: list[tuple[tuple, Any]] = []
         self._validated: deque[tuple[list, Any]] = deque()
-        self._ahead = 0  # ranks validated and not yet taken by the writer
         self._inflight = 0  # chunks taken from the queue and not yet acknowledged
         self._stopping = False
         self._last_submit = 0.0
@@ -139,7 +138,8 @@ class GroupCommit:
         while True:
             with self._more:
                 while not self._stopping:
-                    full = self._ahead >= MAX_BATCH  # the writer has a whole batch waiting
+                    # the writer has a whole batch waiting
+                    full = sum(len(b) for b, _ in self._validated) >= MAX_BATCH
                     if not self._queue or full:
                         (self._room if full else self._more).wait()
                         continue
@@ -165,7 +165,6 @@ class GroupCommit:
                 prepared = ([err] * len(batch), [])
             with self._ready:
                 self._validated.append((batch, prepared))
-                self._ahead += len(batch)
                 self._ready.notify()
 
     def _write_loop(self, token: trio.lowlevel.TrioToken) -> None:
@@ -209,7 +208,6 @@ class GroupCommit:
             jobs.append(self._validated.popleft())
             n += len(jobs[-1][0])
         if jobs:
-            self._ahead -= n
             self._room.notify()
         return jobs
 

@@ -52,7 +52,7 @@ from metadata.engine import (
     rank_items,
 )
 from metadata.sql.chunkrefs import check_domain
-from metadata.sql.commitrows import JOURNAL_GROUP, FileCols, Rows, merge
+from metadata.sql.commitrows import JOURNAL_GROUP, Rows, merge
 from metadata.sql.needs import SqlCore
 from metadata.sql.txlocks import CHUNK_GATE, SCHEMA_LOCK, retried
 
@@ -462,7 +462,10 @@ class CheckpointMixin(SqlCore):
         pre: Rows | None = None,
     ) -> None:
         """Directories, inodes, dentries, rank records and journal rows, one statement each.
-        `pre`: the same rows' columns made by the validator (`Rows`), else made here."""
+        `pre`: the rows that need no database, made by the validator (`Rows`), else here
+        (the careful pass writes its files' rows itself: `_careful_files`)."""
+        if pre is None:
+            pre = Rows(fresh, domains, files=not careful)
         # Directories: resolve level by level; new ones get placeholder ids (< 0) first.
         resolved: dict[tuple[int, tuple[bytes, ...]], int] = {}
         used: dict[tuple[int, bytes], bool] = {}  # (parent, name) -> is a directory
@@ -511,21 +514,20 @@ class CheckpointMixin(SqlCore):
             dir_rows.append((inos[k], 2 + nlink.pop(inos[k], 0)))
             dent_rows.append((real.get(parent, parent), bytearray(name), inos[k]))
         # Files: collisions inside the batch are caught here, with the database by UNIQUE.
-        rows = list(chain.from_iterable(t[4] for t in fresh))
+        file_inos = inos[first:]
         if careful:
             file_rows, file_dents = self._careful_files(
-                c, fresh, steps, resolved, used, fresh_dirs, inos[first:]
+                c, fresh, steps, resolved, used, fresh_dirs, file_inos
             )  # fmt: skip
-        elif rows:  # column by column: ~2 us of Python a file less than a loop
-            cols = pre.files if pre is not None and pre.files else FileCols.of(fresh)
+        elif file_inos:  # column by column: ~2 us of Python a file less than a loop
+            cols = pre.files
             roots = chain.from_iterable(
                 repeat(steps[(t[1], t[2])][2], len(t[4])) for t in fresh
             )  # fmt: skip
             parents = list(map(resolved.__getitem__, zip(roots, cols.prefixes, strict=True)))
             keys = set(zip(parents, cols.names, strict=True))
-            if len(keys) != len(rows) or not keys.isdisjoint(used):
+            if len(keys) != len(file_inos) or not keys.isdisjoint(used):
                 raise _Fallback("two files, or a file and a directory, share a path")
-            file_inos = inos[first:]
             file_rows = list(zip(file_inos, cols.sizes, cols.blobs, cols.allocs, strict=True))
             file_dents = list(zip(parents, cols.name_blobs, file_inos, strict=True))
         else:
@@ -551,9 +553,7 @@ class CheckpointMixin(SqlCore):
         # new chunks gc may have deleted are refused (leases.py); ranks carry no INLINE ones.
         # A generator: read only when gc has condemned something at all.
         self._refuse_doomed(c, (bytes(r[0]) for t in fresh for r in CHK.iter_unpack(t[9][2])))
-        if pre is None:
-            pre = Rows(fresh, domains, files=False)
-        packed = bytearray(np.array(inos[first:], "<u8"))  # INO records, every file's
+        packed = bytearray(np.array(file_inos, "<u8"))  # INO records, every file's
         ends = pre.ino_ends
         self._bulk_insert(
             c,
